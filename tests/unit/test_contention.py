@@ -4,7 +4,7 @@ import pytest
 from test_trial import measured, tiny_task  # the same tiny task, and a trial's numbers
 
 from redline.hardware import contention
-from redline.hardware.contention import ENV, Contention, Sampler
+from redline.hardware.contention import ENV, Contention, Sampler, Stalls
 from redline.parallel.env import DistEnv
 from redline.runtime import measure
 from redline.runtime.measure import measure_auto, measure_run
@@ -149,3 +149,26 @@ def test_a_trial_whose_load_could_not_be_read_leaves_an_earlier_busy_note_standi
     assert "measured while" not in run("fresh").reason and len(busy_then_quiet) == 2
     run("auto")  # the fresh trial was not known to be quiet: the busy note stands, and a run that repays one measures
     assert len(busy_then_quiet) == 3
+
+
+def test_stalls_read_the_share_of_an_interval_in_which_tasks_waited_for_a_cpu(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    pressure, now = tmp_path / "proc/pressure/cpu", [10.0]
+    pressure.parent.mkdir(parents=True)
+
+    def waited(total_us: int) -> None:
+        pressure.write_text(f"some avg10=1.00 avg60=0.50 avg300=0.10 total={total_us}\nfull avg10=0 total=0\n")
+
+    waited(5_000_000)
+    stalls = Stalls(root=tmp_path, clock=lambda: now[0]).start()
+    now[0] += 0.05
+    waited(5_000_000 + 25_000)  # 25 ms of the 50 ms: another process's loop on one of two CPUs
+    assert stalls.stop() == pytest.approx(0.5)
+    stalls = Stalls(root=tmp_path, clock=lambda: now[0]).start()
+    now[0] += 0.05
+    assert stalls.stop() == 0.0  # nothing waited: a quiet machine
+    pressure.unlink()  # no PSI (not Linux, or a kernel without it): nothing known
+    assert Stalls(root=tmp_path, clock=lambda: now[0]).start().stop() is None
+    waited(1)
+    monkeypatch.setenv(ENV, "off")
+    assert Stalls(root=tmp_path, clock=lambda: now[0]).start().stop() is None

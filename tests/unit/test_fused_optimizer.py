@@ -192,6 +192,34 @@ def test_a_second_run_reads_the_timing_from_the_cache_and_the_plan_says_when_it_
     assert "parameters; cached from 20" in reasons[1]
 
 
+def test_a_timing_taken_while_the_cpus_were_busy_decides_its_run_but_is_not_cached(monkeypatch):
+    calls = counting_timer(monkeypatch)
+    waited = [0.5]
+
+    class FakeStalls:  # tasks waited for a CPU half the timing: another process's loop on one of two CPUs
+        def start(self):
+            return self
+
+        def stop(self):
+            return waited[0]
+
+    monkeypatch.setattr(fused, "Stalls", FakeStalls)
+    reasons = []
+    for share in (0.5, 0.05, 0.05):
+        waited[0] = share
+        model, optimizer = model_and_optimizer()
+        with Runtime(RuntimeOptions(devices="cpu")) as rt:
+            _, built = rt.setup(model, optimizer)
+            reasons.append(rt.explain().optimizer.reason)
+        assert built.defaults["fused"]  # each run takes its own timing's verdict
+    assert calls == [1, 1]  # the busy run's timing was not cached: the next run timed again, and cached its own
+    assert reasons[0].endswith(
+        "parameters; timed while the CPUs were busy (tasks waited for one 50% of the time), so not cached: the next "
+        "run times it again)"
+    )
+    assert "busy" not in reasons[1] and "cached from" not in reasons[1] and "cached from" in reasons[2]
+
+
 def test_the_cache_keys_what_a_step_takes_and_not_the_learning_rate(monkeypatch):
     calls = counting_timer(monkeypatch)
 

@@ -6,7 +6,8 @@ running, chargpt's bf16 step timed 0.18x fp32's, where on the quiet machine bf16
 step whose threads wait for each other loses most when one of them is descheduled. Such a verdict, cached, would
 decide every later run. ``Sampler`` tells how many of the process's CPUs other processes kept busy over an
 interval (the kernel's own counts: /proc/stat per CPU, steal time included, less /proc/self/stat's), so the
-measurement can say so and a later run can measure again.
+measurement can say so and a later run can measure again. ``Stalls`` tells the same of a measurement too short
+for those counts (milliseconds), from the time tasks waited for a CPU.
 
 Linux only: elsewhere, or where /proc cannot be read, nothing is known and nothing is said.
 """
@@ -108,6 +109,42 @@ class Sampler:
             frontier = {other for other, (parent, _) in processes.items() if parent in frontier}
             ticks += sum(processes.pop(other)[1] for other in frontier)
         return ticks
+
+
+class Stalls:
+    """The share of an interval in which some task on the machine waited for a CPU: Linux's pressure stall
+    information (/proc/pressure/cpu's "some" total, in microseconds, brought up to date as it is read), so unlike
+    ``Sampler`` it tells a busy machine over a measurement of milliseconds. Our own threads count among the tasks:
+    two threads on two free CPUs wait for none, and with another process's loop on one of them they wait half the
+    time. ``Stalls().start()``, then ``.stop()``; None where it cannot be read (no PSI, not Linux, ``ENV`` off).
+
+    ``root`` stands for / in tests, ``clock`` for time.monotonic.
+    """
+
+    def __init__(self, root: Path = Path("/"), clock: Callable[[], float] = time.monotonic) -> None:
+        self.root, self.clock = root, clock
+        self.before: tuple[float, int] | None = None
+
+    def start(self) -> Stalls:
+        self.before = self.read()
+        return self
+
+    def stop(self) -> float | None:
+        after, before = self.read(), self.before
+        if before is None or after is None or after[0] <= before[0]:
+            return None
+        return min(1.0, max(0, after[1] - before[1]) / ((after[0] - before[0]) * 1e6))
+
+    def read(self) -> tuple[float, int] | None:
+        """(now on ``clock``, the microseconds some task has waited for a CPU since boot), or None."""
+        if os.environ.get(ENV, "").lower() == "off":
+            return None
+        try:
+            text = (self.root / "proc/pressure/cpu").read_text(encoding="utf-8")
+            some = next(line for line in text.splitlines() if line.startswith("some "))
+            return self.clock(), int(some.rsplit("total=", 1)[1])
+        except (OSError, ValueError, IndexError, StopIteration):
+            return None
 
 
 def _process(stat: str) -> tuple[int, int, int]:

@@ -34,13 +34,19 @@ class StepTiming:
     timed: int  # the parameter elements copied and timed
     of: int  # the optimizer's parameter elements
     cached_from: str = ""  # when the timing read from the cache was measured ("" where it was timed now)
+    busy: float | None = None  # the share of the timing in which tasks waited for a CPU, where that made it uncached
 
     def told(self) -> str:
         """The timing in words: "0.36 ms against 1.13 ms a step, timed on a copy of its 417,536 parameters", and
-        "; cached from 2026-12-07 10:52 UTC" where it was read from the cache."""
+        "; cached from 2026-12-07 10:52 UTC" where it was read from the cache, or why it was not cached."""
         copied = f"{self.of:,}" if self.timed >= self.of else f"{self.timed:,} of {self.of:,}"
         fused, given = _duration(self.fused_s), _duration(self.given_s)
         cached = f"; cached from {self.cached_from}" if self.cached_from else ""
+        if self.busy is not None:
+            cached = (
+                f"; timed while the CPUs were busy (tasks waited for one {self.busy:.0%} of the time), so not cached: "
+                "the next run times it again"
+            )
         return f"{fused} against {given} a step, timed on a copy of its {copied} parameters{cached}"
 
 
