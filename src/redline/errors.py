@@ -11,10 +11,11 @@ import os
 import re
 import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from pathlib import Path
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import ParamSpec, TypeVar, cast
 
 # The folder where the workers of one launcher mark the errors they printed, so that an error every
@@ -69,6 +70,54 @@ class Terminated(KeyboardInterrupt):
 def interrupting_signal(exc: KeyboardInterrupt) -> int:
     """The signal behind a KeyboardInterrupt: SIGTERM for a Terminated, else SIGINT (Ctrl-C)."""
     return exc.signum if isinstance(exc, Terminated) else int(signal.SIGINT)
+
+
+class NotedInterrupts:
+    """The interrupts raised inside ``noting_interrupts``, each noted before its handler raised it."""
+
+    def __init__(self) -> None:
+        self.signals: list[int] = []
+
+    def caught(self) -> None:
+        """The caller caught the interrupt raised: forget it."""
+        self.signals.clear()
+
+    def raise_lost(self) -> None:
+        """Raise again an interrupt noted but never seen by the caller, which Python printed and dropped where it was
+        raised (inside a weakref callback or ``__del__``, of which a torch.compile runs many)."""
+        if self.signals:
+            signum = self.signals[0]
+            self.signals.clear()
+            raise KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
+
+
+@contextlib.contextmanager
+def noting_interrupts() -> Iterator[NotedInterrupts]:
+    """Within, a SIGINT or SIGTERM whose handler raises (Python's KeyboardInterrupt, the command line's Terminated) is
+    noted as it raises, so that a block which ends normally though one was raised can raise it again (``raise_lost``); a
+    signal ignored or left to its default is left so. Outside the main thread nothing is noted."""
+    noted = NotedInterrupts()
+    if threading.current_thread() is not threading.main_thread():
+        yield noted
+        return
+    previous = {}
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        handler = signal.getsignal(signum)
+        if callable(handler):
+
+            def note(number: int, frame: FrameType | None, handler: Callable[..., object] = handler) -> None:
+                try:
+                    handler(number, frame)
+                except KeyboardInterrupt:  # a handler of the caller's own that raises nothing is left so
+                    noted.signals.append(number)
+                    raise
+
+            previous[signum] = signal.signal(signum, note)
+    try:
+        yield noted
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 class TaskSpecError(RedlineError, ValueError):

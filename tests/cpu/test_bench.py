@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils.data import IterableDataset, TensorDataset
 
+from dropped_interrupts import DropsItsInterrupt
 from redline.bench import benchmark
 from redline.bench import run as bench_run
 from redline.bench.loops import Runner
@@ -388,6 +389,21 @@ def test_steps_that_are_not_whole_windows_are_rounded_up_and_the_bench_says_so(m
     assert "Bench of tiny: 6 timed steps per row, in windows of 2 (5 asked, rounded up to whole windows" in " ".join(
         out.split()
     )
+
+
+def test_a_ctrl_c_python_dropped_while_a_batch_size_ran_still_stops_the_bench_after_it(monkeypatch):
+    monkeypatch.setattr("sys.unraisablehook", lambda unraisable: None)  # Python's "Exception ignored in", unsaid
+
+    def dropped_at_16(task, setting, *args):
+        if setting.batch_size == 16:
+            DropsItsInterrupt(signal.SIGINT)  # a Ctrl-C inside a callback of torch's, which Python drops
+        return warm_up(task, setting, *args)
+
+    monkeypatch.setattr("redline.bench.run.warm_up", dropped_at_16)
+    with pytest.raises(BenchInterrupted) as stopped:
+        benchmark(tiny_task(), devices="cpu", precisions=["fp32"], compiles=[False], batch_sizes=[16, 32], steps=2,
+                  window=1, auto=False)  # fmt: skip
+    assert stopped.value.exit_code == 130 and stopped.value.result.rows == ()  # batch 32 never ran
 
 
 def test_a_ctrl_c_keeps_the_batch_sizes_finished_and_the_command_shows_them_then_exits_130(monkeypatch, capsys):

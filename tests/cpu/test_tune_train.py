@@ -18,6 +18,7 @@ from torch.utils.data import TensorDataset
 import redline.runtime.fused as fused
 import redline.runtime.graphs as graphs_home
 import redline.runtime.runtime as runtime_home
+from dropped_interrupts import DropsItsInterrupt
 from graph_standins import Capture
 from redline.bench.tune import UNMEASURED, _measure, decide, tune
 from redline.bench.tune_cache import TuneInterrupted
@@ -453,6 +454,27 @@ def test_a_sigterm_the_command_line_takes_caches_what_was_measured_as_a_ctrl_c_d
     assert stopped.value.exit_code == 143 and str(stopped.value).startswith("tune interrupted by SIGTERM")
     assert stopped.value.tuned.best == Candidate(precision="bf16-mixed")  # what was measured is kept
     assert stopped.value.tuned.reasons["compile"].startswith("not measured: the search was interrupted (SIGTERM)")
+
+
+def test_a_ctrl_c_python_dropped_inside_an_axis_still_stops_the_tune_there(monkeypatch):
+    """Python drops a KeyboardInterrupt raised in a weakref callback or __del__ (torch's compile runs many): the
+    search ran on to the end, cached it and exited 0, once in about 20 Ctrl-Cs during a cold compile."""
+    space = [("precision", ["fp32", "bf16-mixed"]), ("compile", [False, True]), ("grad_accum", [1, 2])]
+    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts, **_: space)
+    monkeypatch.setattr("sys.unraisablehook", lambda unraisable: None)  # Python's "Exception ignored in", unsaid
+
+    def measure(task, device, candidates, planned, steps, window, seed, budget_s):
+        if candidates[1].compile:
+            DropsItsInterrupt(signal.SIGINT)  # the Ctrl-C lands inside a callback of the compile, and is dropped
+        return [Trial(c, 0.010 if c.precision == "fp32" else 0.005) for c in candidates]
+
+    monkeypatch.setattr("redline.bench.tune._measure", measure)
+    with pytest.raises(TuneInterrupted) as stopped:
+        tune(mlp_task(), devices="cpu", planned_steps=100)
+    tuned = stopped.value.tuned
+    assert stopped.value.exit_code == 130 and tuned.best == Candidate(precision="bf16-mixed")
+    assert tuned.reasons["compile"].startswith("not measured: the search was interrupted (SIGINT)")
+    assert tuned.reasons["grad_accum"].startswith("not measured: the search was interrupted (SIGINT)")
 
 
 def cached_plans(tmp_path) -> list[dict]:

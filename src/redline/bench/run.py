@@ -39,6 +39,7 @@ from redline.errors import (
     describe_error,
     interrupting_signal,
     invalid,
+    noting_interrupts,
 )
 from redline.hardware.contention import Contention, Sampler
 from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
@@ -126,37 +127,42 @@ def benchmark(
     timed_rounds = rounds  # --max-seconds may stop a batch size's rounds early
     interrupted, signum = "", int(signal.SIGINT)
     task_error: RedlineError | None = None
-    for size in dict.fromkeys(sizes):
-        group = [s for s in settings if s.batch_size == size]
-        planned = planned_steps or task_steps(task, size)
-        try:  # a Ctrl-C keeps the batch sizes finished: the command line shows them, then exits 130
-            compiling = {s.device for s in group if s.compile is not False}  # auto's rows may compile too
-            if compiling and origin is None:  # each compile is timed as a fresh run's, not served from an earlier graph
-                reset_compiler(compiling)
-            warming = functools.partial(lambda start, index, what: tell(start + index, total, what), done)
-            with contextlib.ExitStack() as processes:  # each row's own, under isolate: ended with the batch size
-                if origin is None:
-                    built, failed = _warm_up_all(task, group, window, planned, seed, warming)
-                else:
-                    job = {"window": window, "planned": planned, "seed": seed}
-                    built, failed = _warm_up_isolated(origin, group, job, warming, processes)
-                done += len(group)
-                runners = [runner for runner, _, _ in built.values()]
-                tell_round = functools.partial(_timing, tell, done, total)
-                timed = time_runners(runners, window, rounds, max_seconds, tell_round)
-                done += rounds
-                group_rows = bench_rows(group, built, timed, failed, window)
-            timed_rounds = min([timed_rounds, *(len(times) for times, _ in timed.values())])
-        except KeyboardInterrupt as exc:  # Ctrl-C, or a scheduler's SIGTERM where the command line takes it so
-            signum = interrupting_signal(exc)
-            interrupted = f"interrupted ({signal.Signals(signum).name}) while {running[0]} (batch {size})"
-            break
-        except StoppedBySignal:
-            raise
-        except RedlineError as exc:  # the task's own at this size (a stream with no full batch of it): its rows
-            task_error = task_error or exc  # say so, and the sizes measured before it stay
-            group_rows = [dataclasses.replace(base_row(setting), error=str(exc)) for setting in group]
-        rows += group_rows
+    with noting_interrupts() as noted:  # a Ctrl-C that Python drops inside a compile's callbacks is noted
+        for size in dict.fromkeys(sizes):
+            group = [s for s in settings if s.batch_size == size]
+            planned = planned_steps or task_steps(task, size)
+            try:  # a Ctrl-C keeps the batch sizes finished: the command line shows them, then exits 130
+                compiling = {s.device for s in group if s.compile is not False}  # auto's rows may compile too
+                if (
+                    compiling and origin is None
+                ):  # each compile is timed as a fresh run's, not served from an earlier graph
+                    reset_compiler(compiling)
+                warming = functools.partial(lambda start, index, what: tell(start + index, total, what), done)
+                with contextlib.ExitStack() as processes:  # each row's own, under isolate: ended with the batch size
+                    if origin is None:
+                        built, failed = _warm_up_all(task, group, window, planned, seed, warming)
+                    else:
+                        job = {"window": window, "planned": planned, "seed": seed}
+                        built, failed = _warm_up_isolated(origin, group, job, warming, processes)
+                    done += len(group)
+                    runners = [runner for runner, _, _ in built.values()]
+                    tell_round = functools.partial(_timing, tell, done, total)
+                    timed = time_runners(runners, window, rounds, max_seconds, tell_round)
+                    done += rounds
+                    group_rows = bench_rows(group, built, timed, failed, window)
+                timed_rounds = min([timed_rounds, *(len(times) for times, _ in timed.values())])
+                noted.raise_lost()  # one raised in a weakref callback or __del__, which Python dropped
+            except KeyboardInterrupt as exc:  # Ctrl-C, or a scheduler's SIGTERM where the command line takes it so
+                noted.caught()
+                signum = interrupting_signal(exc)
+                interrupted = f"interrupted ({signal.Signals(signum).name}) while {running[0]} (batch {size})"
+                break
+            except StoppedBySignal:
+                raise
+            except RedlineError as exc:  # the task's own at this size (a stream with no full batch of it): its rows
+                task_error = task_error or exc  # say so, and the sizes measured before it stay
+                group_rows = [dataclasses.replace(base_row(setting), error=str(exc)) for setting in group]
+            rows += group_rows
     rows = with_speedups(rows)
     try:
         rows = list(_with_estimates(rows, estimate))

@@ -42,6 +42,7 @@ from redline.errors import (
     few,
     interrupting_signal,
     invalid,
+    noting_interrupts,
 )
 from redline.hardware.device import probe_accelerators, probe_device
 from redline.plan import Choice
@@ -129,40 +130,47 @@ def tune(
     interrupted = ""  # the axis a Ctrl-C (or SIGTERM) stopped: it and the axes after it are left to the run's auto
     signum = int(signal.SIGINT)
     unmeasured: list[str] = []  # the axes whose alternatives were not all measured: "kept" there decides nothing
-    for index, (axis, values) in enumerate(axes):
-        tell(index, len(axes), f"tuning {axis}")
-        left = deadline - time.perf_counter()
-        if interrupted:
-            unmeasured.append(axis)
-            reasons[axis] = f"not measured: the search was interrupted ({signal.Signals(signum).name}); {LEFT}"
-            continue
-        if left <= 0:
-            unmeasured.append(axis)
-            reasons[axis] = f"not measured: the {budget_s:g} s budget was spent; {LEFT}"
-            continue
-        if axis == "grad_accum" and (refused := refused_split(task, best, max(values))):  # a run would not take it
-            reasons[axis] = refused
-            continue
-        candidates = _candidates(best, axis, values, calls, device)
-        if len(candidates) == 1:  # nothing else runs here: no other attention kernel takes the model's calls
-            reasons[axis] = f"{_value(best, axis)} kept: no other kernel takes the model's calls in {best.precision}"
-            continue
-        try:
-            measured = _measure(task, device, candidates, planned, steps, window, seed, left)
-        except KeyboardInterrupt as exc:  # keep what the axes before it measured, to show and cache (also on SIGTERM,
-            interrupted, signum = axis, interrupting_signal(exc)  # where the command line takes it as a Ctrl-C)
-            unmeasured.append(axis)
-            reasons[axis] = f"not measured: the search was interrupted ({signal.Signals(signum).name}); {LEFT}"
-            continue
-        trials += (measured := charged_first(measured, trials))  # the best's graph as first compiled, cold
-        before = best
-        best, reasons[axis] = decide(axis, measured, planned)
-        if any(trial.rejected == UNMEASURED for trial in measured) and getattr(best, axis) == getattr(before, axis):
-            unmeasured.append(axis)  # kept, with an alternative never run: no decision
-            reasons[axis] = f"not measured in full: {reasons[axis]}; {LEFT}"
-        if axis == "compile_mode" and best.compile and not before.compile:  # CUDA graphs won where compile lost
-            mode = reasons.pop(axis)
-            reasons["compile"] = f"compile on in mode {mode}; the default mode alone lost: {reasons['compile']}"
+    with noting_interrupts() as noted:  # a Ctrl-C that Python drops inside the compile's callbacks is noted
+        for index, (axis, values) in enumerate(axes):
+            tell(index, len(axes), f"tuning {axis}")
+            left = deadline - time.perf_counter()
+            if interrupted:
+                unmeasured.append(axis)
+                reasons[axis] = f"not measured: the search was interrupted ({signal.Signals(signum).name}); {LEFT}"
+                continue
+            if left <= 0:
+                unmeasured.append(axis)
+                reasons[axis] = f"not measured: the {budget_s:g} s budget was spent; {LEFT}"
+                continue
+            if axis == "grad_accum" and (refused := refused_split(task, best, max(values))):  # a run would not take it
+                reasons[axis] = refused
+                continue
+            candidates = _candidates(best, axis, values, calls, device)
+            if len(candidates) == 1:  # nothing else runs here: no other attention kernel takes the model's calls
+                reasons[axis] = (
+                    f"{_value(best, axis)} kept: no other kernel takes the model's calls in {best.precision}"
+                )
+                continue
+            try:
+                measured = _measure(task, device, candidates, planned, steps, window, seed, left)
+                noted.raise_lost()  # one raised in a weakref callback or __del__, which Python dropped
+            except (
+                KeyboardInterrupt
+            ) as exc:  # keep what the axes before it measured, to show and cache (also on SIGTERM,
+                noted.caught()
+                interrupted, signum = axis, interrupting_signal(exc)  # where the command line takes it as a Ctrl-C)
+                unmeasured.append(axis)
+                reasons[axis] = f"not measured: the search was interrupted ({signal.Signals(signum).name}); {LEFT}"
+                continue
+            trials += (measured := charged_first(measured, trials))  # the best's graph as first compiled, cold
+            before = best
+            best, reasons[axis] = decide(axis, measured, planned)
+            if any(trial.rejected == UNMEASURED for trial in measured) and getattr(best, axis) == getattr(before, axis):
+                unmeasured.append(axis)  # kept, with an alternative never run: no decision
+                reasons[axis] = f"not measured in full: {reasons[axis]}; {LEFT}"
+            if axis == "compile_mode" and best.compile and not before.compile:  # CUDA graphs won where compile lost
+                mode = reasons.pop(axis)
+                reasons["compile"] = f"compile on in mode {mode}; the default mode alone lost: {reasons['compile']}"
 
     def finish() -> tuple[TunedPlan, str]:  # the search's result, cached; it runs again where a signal lands in it
         _kernel_with_precision(best, unmeasured, reasons)
