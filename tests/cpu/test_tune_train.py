@@ -45,6 +45,13 @@ def own_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("REDLINE_CACHE_DIR", str(tmp_path / "cache"))
 
 
+@pytest.fixture
+def compiles_tried(monkeypatch):
+    """The tests of what a search does with its compile axis weigh runs of a tiny MLP (under a second eagerly), which
+    no compile could make shorter: the search would not try one (``LEAST_COMPILE_S``)."""
+    monkeypatch.setattr("redline.bench.tune.LEAST_COMPILE_S", 0.0)
+
+
 def mlp_task() -> Task:
     generator = torch.Generator().manual_seed(0)
     x, y = torch.randn(128, 8, generator=generator), torch.randint(0, 3, (128,), generator=generator)
@@ -336,6 +343,7 @@ def test_auto_leaves_a_tune_weighed_for_a_run_of_another_length_to_its_own_rules
         assert summary.plan.grad_accum.value == 1 and "tuned" not in json.dumps(summary.plan.to_dict())
 
 
+@pytest.mark.usefixtures("compiles_tried")
 def test_tune_measures_the_axes_and_caches_what_train_then_runs(monkeypatch):
     task = mlp_task()
     lookups = iter(range(1000))  # torch's on-disk caches served every compile, as on a machine that compiled it before
@@ -445,6 +453,7 @@ def interrupted_at(axis, by: KeyboardInterrupt | type[KeyboardInterrupt] = Keybo
     return measure
 
 
+@pytest.mark.usefixtures("compiles_tried")
 def test_a_sigterm_the_command_line_takes_caches_what_was_measured_as_a_ctrl_c_does_and_exits_143(monkeypatch):
     space = [("precision", ["fp32", "bf16-mixed"]), ("compile", [False, True])]
     monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts, **_: space)
@@ -456,6 +465,7 @@ def test_a_sigterm_the_command_line_takes_caches_what_was_measured_as_a_ctrl_c_d
     assert stopped.value.tuned.reasons["compile"].startswith("not measured: the search was interrupted (SIGTERM)")
 
 
+@pytest.mark.usefixtures("compiles_tried")
 def test_a_ctrl_c_python_dropped_inside_an_axis_still_stops_the_tune_there(monkeypatch):
     """Python drops a KeyboardInterrupt raised in a weakref callback or __del__ (torch's compile runs many): the
     search ran on to the end, cached it and exited 0, once in about 20 Ctrl-Cs during a cold compile."""
@@ -477,10 +487,38 @@ def test_a_ctrl_c_python_dropped_inside_an_axis_still_stops_the_tune_there(monke
     assert tuned.reasons["grad_accum"].startswith("not measured: the search was interrupted (SIGINT)")
 
 
+def test_a_compile_is_not_tried_for_a_run_shorter_eagerly_than_any_compile_takes(monkeypatch):
+    """A tiny model's planned run of a tenth of a second spent most of a 20 s budget compiling, which could not win."""
+    space = [("precision", ["fp32", "bf16-mixed"]), ("compile", [False, True])]
+    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts, **_: space)
+    tried = []
+
+    def measure(task, device, candidates, planned, steps, window, seed, budget_s):
+        tried.extend(candidates)
+
+        def step_s(c: Candidate) -> float:  # a compile makes the step 0.6x as long
+            return (0.010 if c.precision == "fp32" else 0.005) * (0.6 if c.compile else 1.0)
+
+        return [Trial(c, step_s(c), compile_s=0.2 * c.compile) for c in candidates]
+
+    monkeypatch.setattr("redline.bench.tune._measure", measure)
+    short, _ = tune(mlp_task(), devices="cpu", planned_steps=100)  # bf16's 100 steps: 0.5 s eagerly
+    assert not any(c.compile for c in tried) and short.best == Candidate(precision="bf16-mixed")
+    assert short.reasons["compile"].startswith(
+        "compile off kept, not tried: the planned 100 steps take 0.50 s eagerly, less than any compile takes "
+        "(1 s at least, torch's caches warm);"
+    )
+    assert "compile" not in short.unmeasured  # decided: a run that uses the tune stays eager
+    tried.clear()
+    longer, _ = tune(mlp_task(), devices="cpu", planned_steps=1000)  # 5 s eagerly: a compile might win
+    assert any(c.compile for c in tried) and longer.best.compile  # here the fake compile of 0.2 s repays itself
+
+
 def cached_plans(tmp_path) -> list[dict]:
     return [json.loads(p.read_text()) for p in (tmp_path / "cache" / "tuned").glob("*.json")]
 
 
+@pytest.mark.usefixtures("compiles_tried")
 def test_a_ctrl_c_caches_what_was_measured_leaves_the_rest_to_auto_and_exits_130(tmp_path, monkeypatch, capsys):
     # compile "kept" off, its alternative never run, is no decision: a run that uses the tune decides it as auto.
     monkeypatch.setenv(FAKE_CPU_ENV, "amx")  # a CPU whose bf16 is worth searching, as the space below has it
@@ -804,6 +842,7 @@ def complete_tune(monkeypatch) -> tuple[TunedPlan, str]:
     return tune(mlp_task(), devices="cpu", planned_steps=100)
 
 
+@pytest.mark.usefixtures("compiles_tried")
 def test_a_stopped_search_keeps_an_earlier_tune_that_measured_more(tmp_path, monkeypatch, capsys):
     # A re-tune stopped by Ctrl-C replaced a complete tune with its partial one: three measured axes lost.
     complete, path = complete_tune(monkeypatch)
@@ -830,6 +869,7 @@ def test_a_stopped_search_keeps_an_earlier_tune_that_measured_more(tmp_path, mon
     assert longer.value.kept is None and [plan["planned_steps"] for plan in cached_plans(tmp_path)] == [100_000]
 
 
+@pytest.mark.usefixtures("compiles_tried")
 def test_a_stopped_search_keeps_a_complete_tune_an_earlier_version_made_before_axes_it_cannot_search_here(
     tmp_path, monkeypatch
 ):

@@ -65,6 +65,9 @@ from redline.task import Task, require_task
 MARGIN = 1.05  # an alternative replaces the current setting where the current's planned run is 1.05x as long
 UNMEASURED = "not measured: the budget was spent"
 LEFT = "left to the run's auto"  # what a run that uses the tune does with an axis the tune did not decide
+# A compile takes at least this long before its first step (a two-layer MLP's, torch's caches warm: 1.7 s on a 2-core
+# Xeon): a planned run shorter than this eagerly cannot be made shorter by one, and is not compiled to find out
+LEAST_COMPILE_S = 1.0
 WINDOW = 5  # timed steps between two device syncs
 STREAM_STEPS = 1000  # the run weighed for a stream without a length (no epochs to count), unless planned_steps says
 # A candidate that leaves the kernel to auto runs torch's pick per call, untimed: the other kernels are candidates
@@ -142,7 +145,7 @@ def tune(
                 unmeasured.append(axis)
                 reasons[axis] = f"not measured: the {budget_s:g} s budget was spent; {LEFT}"
                 continue
-            if axis == "grad_accum" and (refused := refused_split(task, best, max(values))):  # a run would not take it
+            if refused := _not_tried(task, best, axis, values, trials, planned):  # cannot win, or a run would refuse it
                 reasons[axis] = refused
                 continue
             candidates = _candidates(best, axis, values, calls, device)
@@ -272,6 +275,24 @@ def _candidates(
         if kernel != candidate.attention
     ]
     return candidates + with_kernels
+
+
+def _not_tried(
+    task: Task, best: Candidate, axis: str, values: Sequence[Any], trials: Sequence[Trial], planned: int
+) -> str:
+    """Why ``axis`` is not measured: a compile that cannot win (the planned run takes less eagerly than any compile
+    takes), micro-batches a run would refuse (``refused_split``); "" where it is measured."""
+    if axis == "grad_accum":
+        return refused_split(task, best, max(values))
+    if axis not in ("compile", "compile_mode") or best.compile:
+        return ""
+    eager = [t.total_s(planned) for t in trials if t.candidate == best]  # the best so far, measured on an earlier axis
+    if not eager or math.isinf(eager[-1]) or eager[-1] >= LEAST_COMPILE_S:
+        return ""
+    return (
+        f"{_value(best, axis)} kept, not tried: the planned {planned} steps take {eager[-1]:.2f} s eagerly, less "
+        f"than any compile takes ({LEAST_COMPILE_S:g} s at least, torch's caches warm)"
+    )
 
 
 def decide(axis: str, measured: Sequence[Trial], planned: int) -> tuple[Candidate, str]:
