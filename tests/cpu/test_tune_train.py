@@ -748,6 +748,12 @@ def test_a_tune_at_another_batch_size_is_found_by_train_at_that_batch_size(tmp_p
     tune_command(task=f"{spec}:mlp", task_arg=None, devices="cpu", budget=60.0, planned_steps=100, batch_size=16,
                  steps=4, json_output=False)  # fmt: skip
     shown = capsys.readouterr().out
+    assert f"use it: redline train --task {spec}:mlp --batch-size 16 --devices cpu --max-steps 100 --plan tuned\n" in (
+        shown
+    )  # the run weighed: --planned-steps 100
+    tune_command(task=f"{spec}:mlp", task_arg=None, devices="cpu", budget=60.0, planned_steps=None, batch_size=16,
+                 steps=4, json_output=False)  # fmt: skip
+    shown = capsys.readouterr().out  # the run weighed: the task's epochs, which train runs without --max-steps
     assert f"use it: redline train --task {spec}:mlp --batch-size 16 --devices cpu --plan tuned\n" in shown
     config = TrainerConfig(max_steps=1, plan="tuned", batch_size=16, progress=False)
     summary = Trainer(load_task(f"{spec}:mlp"), config).fit()

@@ -79,7 +79,8 @@ def tune_command(
             else:
                 stopped = None
     kept = stopped is not None and stopped.kept is not None
-    _show(tuned, path, task, task_arg, devices, batch_size, json_output, kept=kept, stream=stream)
+    _show(tuned, path, task, task_arg, devices, batch_size, json_output, kept=kept,
+          steps_said=stream or planned_steps is not None)  # fmt: skip
     if stopped is not None:
         raise stopped
 
@@ -94,7 +95,7 @@ def _show(
     json_output: bool,
     *,
     kept: bool = False,
-    stream: bool = False,
+    steps_said: bool = False,
 ) -> None:
     if json_output:
         print(json.dumps({**tuned.to_dict(), "cached": path, "kept_earlier": kept}, indent=2), file=result_out())
@@ -109,7 +110,8 @@ def _show(
     same = [f"--task-arg {shlex.quote(arg)}" for arg in task_arg or []]  # the run must match the tune's key
     same += [f"--batch-size {batch_size}"] if batch_size is not None else []
     same += [f"--devices {shlex.quote(devices)}"] if devices != "auto" else []
-    same += [f"--max-steps {tuned.planned_steps}"] if stream else []  # a stream's run is as long as --max-steps says
+    # the run weighed: --planned-steps, or a stream's (as long as --max-steps says); else the task's epochs, as train's
+    same += [f"--max-steps {tuned.planned_steps}"] if steps_said else []
     use = " ".join(["redline train --task", shlex.quote(task), *same, "--plan tuned"])
     # a command to copy: unbroken, and its `[...]` printed as text
     cached = f"nothing new: the earlier tune above, which measured more, stays at {path}" if kept else path
