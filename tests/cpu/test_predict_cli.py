@@ -583,6 +583,60 @@ def test_weights_of_a_run_that_stopped_before_writing_them_name_its_newest_check
     assert result.exit_code == 0, result.output
 
 
+def test_a_runs_final_weights_that_it_went_on_past_are_refused_naming_both_steps(tmp_path, spec):
+    """A run stopped at step 5 wrote its final weights; resumed, it checkpointed step 9 and was killed: --weights RUN
+    loaded the older final weights without a word."""
+    import torch
+
+    import redline
+
+    run = tmp_path / "run"
+    model = load_servable(spec).model
+    with redline.Runtime(devices="cpu", compile="off") as rt:
+        rt.setup(model, lambda params: torch.optim.SGD(params, lr=0.1))
+        rt.save(run / "checkpoints" / "step-00000005", step=5)
+    save_model(model, str(run / "model.safetensors"))
+    (run / "summary.json").write_text(json.dumps({"task": "t", "steps": 5}))
+    given = ["--input", samples(tmp_path, np.zeros((2, 3), np.float32)), "--output", str(tmp_path / "y.npy")]
+    assert predict(spec, *given, "--weights", str(run)).exit_code == 0  # its newest checkpoint is its final step's
+    with redline.Runtime(devices="cpu", compile="off") as rt:
+        rt.setup(model, lambda params: torch.optim.SGD(params, lr=0.1))
+        rt.save(run / "checkpoints" / "step-00000009", step=9)  # the resumed run, killed after it
+    result = predict(spec, *given, "--weights", str(run))
+    newest = run / "checkpoints" / "step-00000009" / "model.safetensors"
+    assert isinstance(result.exception, ConfigError) and str(result.exception) == (
+        f"--weights {str(run)!r}: its model.safetensors holds the weights of step 5 (its summary.json), but the run "
+        "went on past them: its newest checkpoint holds those of step 9 (resumed, then stopped before it ended, or "
+        f"still going)\nhint: pass the ones you mean: --weights {newest} (step 9), or --weights "
+        f"{run / 'model.safetensors'} (step 5)"
+    )
+    assert predict(spec, *given, "--weights", str(run / "model.safetensors")).exit_code == 0  # the file itself: taken
+    typo = predict(spec, *given, "--weights", str(run / "model.safetenors"))
+    assert str(typo.exception).endswith(
+        f"\nhint: its newest checkpoint holds those of step 9: --weights {newest} (the run's final weights, of an "
+        f"earlier step, are {run / 'model.safetensors'})"
+    )
+
+
+def test_a_mistyped_file_in_a_finished_run_is_pointed_at_its_final_weights(tmp_path, spec):
+    import torch
+
+    import redline
+
+    run = tmp_path / "run"
+    with redline.Runtime(devices="cpu", compile="off") as rt:
+        rt.setup(load_servable(spec).model, lambda params: torch.optim.SGD(params, lr=0.1))
+        rt.save(run / "checkpoints" / "step-00000003", step=3)
+    save_model(load_servable(spec).model, str(run / "model.safetensors"))
+    result = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)),
+                     "--output", str(tmp_path / "y.npy"), "--weights", str(run / "nope.safetensors"))  # fmt: skip
+    newest = run / "checkpoints" / "step-00000003" / "model.safetensors"
+    assert str(result.exception).endswith(  # it had said the run stopped before writing them
+        f"\nhint: the run's final weights: --weights {run} (its newest checkpoint holds those of step 3: --weights "
+        f"{newest})"
+    )
+
+
 def test_the_summary_names_the_output_file_as_written(tmp_path, spec):
     out = tmp_path / "y[run1].npy"
     result = predict(spec, "--input", samples(tmp_path, np.zeros((2, 3), np.float32)), "--output", str(out),

@@ -8,6 +8,7 @@ holds no single weights file, read into the plain model in this one process.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from redline.checkpoint.shapes import Shapes, differences, safetensors_shapes, s
 from redline.errors import ConfigError
 
 WEIGHTS = "model.safetensors"
+SUMMARY = "summary.json"  # beside a run's final weights: its "steps" is theirs
 WEIGHTS_HINT = "hint: redline train --out DIR writes DIR/model.safetensors"
 FIT_HINT = "hint: pass the weights written by a run of this same model (and the same task options)"
 WRAPPED = ("module.", "_orig_mod.")  # the prefixes of a model wrapped by DDP or DataParallel, by torch.compile
@@ -47,7 +49,7 @@ def load_weights(model: nn.Module, path: Path) -> None:
         if path.is_dir():  # another of its files (optimizer.pt) is refused below, as any file not of weights
             path = checkpoint.path / WEIGHTS
     if path.is_dir() and (path / WEIGHTS).is_file():  # a run's --out, once the run has finished
-        path = path / WEIGHTS
+        path = _final_weights(path)
     if path.is_dir():
         raise ConfigError(
             f"--weights {str(path)!r} is a directory without a {WEIGHTS} or a {MANIFEST}; expected a .safetensors "
@@ -56,6 +58,31 @@ def load_weights(model: nn.Module, path: Path) -> None:
     if not path.is_file():
         raise ConfigError(f"--weights {str(path)!r} does not exist\n{_run_hint(path.parent)}")
     _load_file(model, path)
+
+
+def _final_weights(run: Path) -> Path:
+    """A run's --out's final weights, refused where the run went on past them (``_went_past``)."""
+    past = _went_past(run)
+    if past is None:
+        return run / WEIGHTS
+    ended, newest = past
+    raise ConfigError(
+        f"--weights {str(run)!r}: its {WEIGHTS} holds the weights of step {ended} (its {SUMMARY}), but the run went on "
+        f"past them: its newest checkpoint holds those of step {newest.step} (resumed, then stopped before it ended, "
+        f"or still going)\nhint: pass the ones you mean: --weights {_weights_arg(newest)} (step {newest.step}), "
+        f"or --weights {run / WEIGHTS} (step {ended})"
+    )
+
+
+def _went_past(run: Path) -> tuple[int, Checkpoint] | None:
+    """Where the run in --out ``run`` went on past its final weights (resumed, then stopped before it wrote its own,
+    or still going): the step its summary.json ends at, and its newer newest checkpoint; else None."""
+    try:
+        ended = json.loads((run / SUMMARY).read_text(encoding="utf-8"))["steps"]
+    except (OSError, ValueError, KeyError, TypeError):  # no summary to tell the weights' step by: taken as they are
+        return None
+    kept = [c for c in find_checkpoints(run / "checkpoints") if c.sharded or (c.path / WEIGHTS).is_file()]
+    return (ended, kept[-1]) if isinstance(ended, int) and kept and kept[-1].step > ended else None
 
 
 def _load_file(model: nn.Module, path: Path) -> None:
@@ -185,13 +212,16 @@ def _run_hint(run: Path) -> str:
     final weights (killed, or failed), its newest checkpoint; else where a run writes them."""
     if _is_sharded(run):  # a file asked of a sharded checkpoint, which holds no model.safetensors
         return f"hint: {run} is a sharded (FSDP) checkpoint, without a {WEIGHTS}: pass it itself: --weights {run}"
-    for root in (run / "checkpoints", run):  # the run's --out, or its checkpoints directory
+    for root, out in ((run / "checkpoints", run), (run, run.parent)):  # the run's --out, or its checkpoints directory
         kept = [c for c in find_checkpoints(root) if c.sharded or (c.path / WEIGHTS).is_file()]
-        if kept:
-            return (
-                f"hint: the run stopped before writing its final weights; its newest checkpoint holds those of step "
-                f"{kept[-1].step}: --weights {_weights_arg(kept[-1])}"
-            )
+        if not kept:
+            continue
+        newest = f"its newest checkpoint holds those of step {kept[-1].step}: --weights {_weights_arg(kept[-1])}"
+        if (out / WEIGHTS).is_file() and _went_past(out) is None:  # a finished run's
+            return f"hint: the run's final weights: --weights {out} ({newest})"
+        if (out / WEIGHTS).is_file():
+            return f"hint: {newest} (the run's final weights, of an earlier step, are {out / WEIGHTS})"
+        return f"hint: the run stopped before writing its final weights; {newest}"
     return WEIGHTS_HINT
 
 
