@@ -309,6 +309,34 @@ def test_auto_runs_bf16_on_full_batches_and_fp32_on_single_requests_where_each_w
     assert kept.value == "bf16-mixed" and " at 1) on the largest bucket (2) and the smallest (1)" in kept.reason
 
 
+def test_a_measurement_taken_while_the_cpus_were_busy_is_not_cached(cache, bf16_cpu, monkeypatch):
+    """Another process's load slows a parallel kernel most: bf16 timed 0.0034x fp32 so, and that was cached."""
+
+    waited = [0.6]  # tasks waited for a CPU 60% of the timing: another process's loop on one of the two CPUs
+
+    class Busy:
+        def start(self):
+            return self
+
+        def stop(self):
+            return waited[0]
+
+    monkeypatch.setattr(engine_module, "Stalls", Busy)
+    first = Spy(autocast_sleep_s=SLEEP_S, cast_sleep_s=SLEEP_S)
+    engine = InferenceEngine(first, input_shape=(3,), device="cpu", compile="off", max_batch_size=4)
+    assert first.autocast_calls > 0 and engine.plan["measured"].reason.endswith(
+        "measured now, while the CPUs were busy (tasks waited for one 60% of the time), so not cached"
+    )
+    waited[0] = 0.0  # a quiet machine
+    second = Spy(autocast_sleep_s=SLEEP_S, cast_sleep_s=SLEEP_S)
+    engine = InferenceEngine(second, input_shape=(3,), device="cpu", compile="off", max_batch_size=4)
+    assert second.autocast_calls > 0, "the busy measurement was read from the cache"
+    assert engine.plan["measured"].reason.endswith("measured now")
+    third = Spy(autocast_sleep_s=SLEEP_S, cast_sleep_s=SLEEP_S)
+    engine = InferenceEngine(third, input_shape=(3,), device="cpu", compile="off", max_batch_size=4)
+    assert third.autocast_calls == 0 and "cached from" in engine.plan["measured"].reason
+
+
 def test_a_second_engine_reads_the_measurement_from_the_cache(cache, bf16_cpu):
     first = Spy(autocast_sleep_s=SLEEP_S, cast_sleep_s=SLEEP_S)
     InferenceEngine(first, input_shape=(3,), device="cpu", compile="off", max_batch_size=4)

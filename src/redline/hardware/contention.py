@@ -27,6 +27,9 @@ LEAST_SECONDS = 0.5
 # A measurement counts as contended where other work left this process fewer free CPUs than this share of the
 # threads it runs: a neighbour on a CPU the process does not use takes nothing from it.
 ROOM = 0.8
+# A measurement too short for ``Sampler`` counts as taken on a busy machine where some task waited for a CPU this share
+# of it (``Stalls``): two threads on two free CPUs wait for none, and beside a busy loop on one they wait half the time.
+STALLED = 0.2
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ costs a tenth of a second or so, and its copies (two, each with gradients and st
 A timing is cached (runtime/cache.py), keyed by the optimizer's kind, its options (of its learning rates, whether
 each is a tensor), the shapes and dtypes of its parameters, and the machine: a second run here pays nothing and
 takes the same implementation, where a fresh timing of two implementations a few percent apart could go either way.
-One taken while other work kept the CPUs busy (``BUSY``) decides its own run only. Under ``deterministic=True``
+One taken while other work kept the CPUs busy (``STALLED``) decides its own run only. Under ``deterministic=True``
 nothing is timed nor read (a run that must repeat itself anywhere cannot depend on a timing), and under several
 processes rank 0 times and every rank takes its choice: the two implementations round differently, and replicas
 must step alike.
@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from redline.hardware.contention import Stalls
+from redline.hardware.contention import STALLED, Stalls
 from redline.hardware.device import DeviceFacts
 from redline.parallel.collectives import run_on_rank0
 from redline.plan import Choice
@@ -49,9 +49,6 @@ ROUNDS = 5
 LEAST_ROUND_S = 0.002  # each round steps each implementation for at least this long (a step may take microseconds)
 MOST_STEPS = 100  # steps per round at most
 CACHED = "optimizer-steps"  # the cache's kind that keeps the timings
-# A timing in which tasks waited for a CPU this share of the time is not cached: the fused kernel's threads wait for
-# each other, so a neighbour's load slows it most (0.01x the for-loop under one busy loop on a 2-core Xeon, 2.8x quiet)
-BUSY = 0.2
 METHOD = 1  # how the timing measures, in its cache key: a change to it leaves what the old way measured unread
 
 
@@ -114,7 +111,9 @@ def as_the_run_steps(
 
 def timed_or_cached(optimizer: torch.optim.Optimizer, device: DeviceFacts) -> StepTiming | str:
     """``time_fused``'s answer for ``optimizer`` on this machine: cached, or timed now and cached (a timing that could
-    not be made is not: the next run tries again)."""
+    not be made is not: the next run tries again; nor one taken while the CPUs were busy, ``STALLED``: the fused
+    kernel's threads wait for each other, so another process's load slows it most, to 0.01x the for-loop beside a
+    busy loop on a 2-core Xeon where it ran 2.9x quiet)."""
     key = cache_key(_fingerprint(optimizer), device, f"{TIMED_BYTES} bytes", f"method {METHOD}")
     cached = _read(key, of=_trained(optimizer))
     if cached is not None:
@@ -122,7 +121,7 @@ def timed_or_cached(optimizer: torch.optim.Optimizer, device: DeviceFacts) -> St
     stalls = Stalls().start()
     timed = time_fused(optimizer)
     waited = stalls.stop()
-    if isinstance(timed, StepTiming) and waited is not None and waited >= BUSY:  # another process's load, not ours
+    if isinstance(timed, StepTiming) and waited is not None and waited >= STALLED:
         return dataclasses.replace(timed, busy=waited)
     if isinstance(timed, StepTiming):
         write_cache(CACHED, key, [timed.given_s, timed.fused_s, timed.timed, timed.of])

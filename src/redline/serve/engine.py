@@ -33,6 +33,7 @@ from torch import nn
 
 from redline.config import positive_int
 from redline.errors import DeviceUnavailableError, describe_error
+from redline.hardware.contention import Stalls
 from redline.hardware.device import probe_device
 from redline.hardware.memory import host_memory_bytes
 from redline.plan import Choice
@@ -65,7 +66,7 @@ from redline.serve.measure import (
     load_measured,
     measure_key,
     store_capture_failure,
-    store_measured,
+    store_unless_busy,
     time_settings,
     weights_digest,
 )
@@ -410,6 +411,7 @@ class InferenceEngine:
             self._variant(setting)  # forward would then be the original's
         if any(s.compiled for s in settings):
             self._compile()
+        stalls = Stalls().start()
         try:
             with self._compile_room():
                 timings = {bucket: self._time(settings, bucket) for bucket in buckets}
@@ -418,8 +420,7 @@ class InferenceEngine:
             if not is_oom(exc):  # out of memory may not happen on the next start; the rest would
                 store_capture_failure(key, exc.without_graphs())
             return None
-        store_measured(key, timings)
-        return timings, "measured now"
+        return timings, store_unless_busy(key, timings, stalls.stop())
 
     def _split_off(self, kept: Setting, small: Setting, ends: dict[int, list[Timing]]) -> Choice[str | None] | None:
         """The small_batches entry where ``small`` beat ``kept`` on the smallest bucket: the buckets it runs, timed
