@@ -302,6 +302,29 @@ def test_a_batch_of_the_wrong_dtype_gets_the_cast_to_make_not_a_hint_of_shapes(i
     assert "shaped as the model expects" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "said",
+    [
+        "could not create a primitive descriptor for the LSTM forward propagation primitive",  # oneDNN's, fp16 on a CPU
+        "\"addmm_impl_cpu_\" not implemented for 'Half'",
+    ],
+)
+def test_an_op_without_a_kernel_for_the_reduced_precision_is_told_to_run_in_another_not_to_fix_the_data(said):
+    class NoHalfKernel(nn.Linear):  # as a CPU's LSTM under fp16-mixed raised, whatever this machine's kernels take
+        def forward(self, x):
+            if not x.is_meta:
+                raise RuntimeError(said)
+            return super().forward(x)
+
+    with pytest.raises(TrainingError, match=r"step 1: the model or loss raised RuntimeError: ") as err:
+        quiet(tiny_task(model=lambda: NoHalfKernel(4, 2), val_data=None), max_steps=1, trial="off").fit()
+    assert "\nhint: an op of the model has no kernel for the reduced precision it ran in on this device" in str(
+        err.value
+    )
+    assert "run it with --precision fp32 (precision='fp32')" in str(err.value)
+    assert "shaped as the model expects" not in str(err.value) and "a dtype does not fit" not in str(err.value)
+
+
 def test_a_checkpoint_of_a_users_own_loop_is_refused_clearly(tmp_path):
     with redline.Runtime(devices="cpu") as rt:
         rt.setup(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1))

@@ -227,29 +227,42 @@ def user_code(where: str, inputs: Any, targets: Any, *, metric: bool = False) ->
             found = "; the line above is where the loss failed"
         elif one_sample_refusal(exc):
             culprit, hint, found = "the model", ONE_SAMPLE_HINT, "; the line above is the layer's call"
-        elif "view size is not compatible with input tensor's size and stride" in first:
-            hint = (
-                ".view needs a contiguous tensor, and with channels_last on a convolution's output is NHWC: use "
-                ".reshape(...) there, or channels_last auto (which keeps such a model NCHW) or off"
-            )
-            found = "; the line above is the .view"
-        elif one_argument := one_argument_hint(exc, first, inputs):
-            hint, found = one_argument
-        elif DTYPE_TROUBLE.search(first):
-            hint = (
-                "a dtype does not fit (the batch above shows each): cast in the dataset's __getitem__ (or collate_fn), "
-                "inputs .float() to match the model's float32 weights (NumPy's arrays are float64), class targets "
-                ".long() for cross_entropy, targets .float() for mse_loss or binary_cross_entropy"
-            )
-            found = "; if they fit, the line above is where your code failed"
         else:
-            hint = "check that the dataset's items are (inputs, targets) shaped as the model expects"
-            found = "; if they are, the line above is where your code failed"
+            hint, found = _failure_hint(exc, first, inputs)
         if line:
             hint += f"{found} (REDLINE_TRACEBACK=1 prints the whole traceback; in Python it is the error's __cause__)"
         raise TrainingError(
             f"{where}: {culprit} raised {type(exc).__name__}: {first}\n  batch: {given}{line}\nhint: {hint}"
         ) from exc
+
+
+def _failure_hint(exc: Exception, first: str, inputs: Any) -> tuple[str, str]:
+    """The hint for a model or loss that failed on a batch (``first``: the error's first line), and what the line shown
+    below it is."""
+    if "view size is not compatible with input tensor's size and stride" in first:
+        hint = (
+            ".view needs a contiguous tensor, and with channels_last on a convolution's output is NHWC: use "
+            ".reshape(...) there, or channels_last auto (which keeps such a model NCHW) or off"
+        )
+        return hint, "; the line above is the .view"
+    if one_argument := one_argument_hint(exc, first, inputs):
+        return one_argument
+    if REDUCED_KERNEL.search(first):
+        hint = (
+            "an op of the model has no kernel for the reduced precision it ran in on this device (fp16 on a CPU, "
+            "often): run it with --precision fp32 (precision='fp32'), or bf16-mixed where fp16-mixed failed; in an "
+            "fp32 run, cast float16 or bfloat16 inputs .float() in the dataset"
+        )
+        return hint, "; the line above is the op's call"
+    if DTYPE_TROUBLE.search(first):
+        hint = (
+            "a dtype does not fit (the batch above shows each): cast in the dataset's __getitem__ (or collate_fn), "
+            "inputs .float() to match the model's float32 weights (NumPy's arrays are float64), class targets "
+            ".long() for cross_entropy, targets .float() for mse_loss or binary_cross_entropy"
+        )
+        return hint, "; if they fit, the line above is where your code failed"
+    hint = "check that the dataset's items are (inputs, targets) shaped as the model expects"
+    return hint, "; if they are, the line above is where your code failed"
 
 
 # DDP's reducer at the forward after a backward that left a parameter without a gradient; its next lines name them
@@ -303,6 +316,8 @@ def one_argument_hint(exc: Exception, first: str, inputs: Any) -> tuple[str, str
 # torch's words for operands of the wrong dtype: "mat1 and mat2 must have the same dtype", "expected target dtype to be
 # Long", "result type Float can't be cast to the desired output type Long", "expected scalar type Long but found Int"
 DTYPE_TROUBLE = re.compile(r"dtype|scalar type|can't be cast to the desired|not implemented for '")
+# an op without a kernel for half precision: torch's own words, or oneDNN's for a CPU's LSTM or convolution in fp16
+REDUCED_KERNEL = re.compile(r"not implemented for '(Half|BFloat16)'|could not create a primitive descriptor")
 
 
 def describe(value: Any) -> str:
