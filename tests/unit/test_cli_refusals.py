@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
+import redline
 from redline.cli.main import app
 from redline.errors import ConfigError
 
@@ -272,6 +274,25 @@ def test_a_batch_the_workers_cannot_split_is_refused_before_they_start(monkeypat
         "--batch-size=15 is not allowed; expected a multiple of 2: the batch size is the global batch, split across 2 "
         "processes\nhint: e.g. --batch-size 16"
     )
+
+
+def test_a_tasks_own_batch_the_workers_cannot_split_is_named_as_the_tasks_not_as_a_flag(monkeypatch):
+    """`--task-arg batch_size=33 --nproc 2`: each worker said `--batch-size=33 is not allowed`, a flag never passed."""
+    from redline.train.config import TrainerConfig
+
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a launched worker's: the launcher runs no task, so the worker checks
+    monkeypatch.setenv("RANK", "1")
+    task = redline.load_task("example:digits")
+    odd = dataclasses.replace(task, batch_size=33)
+    with pytest.raises(ConfigError) as refused:
+        TrainerConfig().check_task(odd)
+    assert str(refused.value) == (
+        "task 'digits''s own batch_size=33 is not allowed under 2 processes; expected a multiple of 2: the batch size "
+        "is the global batch, split across 2 processes\nhint: pass --batch-size 34 (batch_size=34), or the task's own "
+        "option for it"
+    )
+    TrainerConfig(batch_size=34).check_task(odd)  # one given: the workers' split checks the option, named as such
+    TrainerConfig().check_task(dataclasses.replace(task, batch_size=32))
 
 
 def test_tune_refuses_a_budget_of_nothing_before_the_task_loads():

@@ -122,17 +122,19 @@ class GlobalBatchSampler(Sampler[list[int]]):
         return batches_per_epoch(len(self.sampler), self.global_batch, self.world_size, self.drop_last)
 
 
-def check_split(global_batch: int, world_size: int) -> None:
-    """Refuse a global batch that does not split evenly across the processes."""
+def check_split(global_batch: int, world_size: int, *, task: str = "") -> None:
+    """Refuse a global batch that does not split evenly across the processes; ``task``: the name of the task whose
+    own batch_size it is (none was given), which the message names in place of the option."""
     if global_batch % world_size:
         below = global_batch - global_batch % world_size
         nearest = below if below and global_batch - below < world_size / 2 else below + world_size  # a tie: the larger
-        raise invalid(
-            "batch_size",
-            global_batch,
-            f"a multiple of {world_size}: the batch size is the global batch, split across {world_size} processes",
-            f"e.g. batch_size={nearest}",
-        )
+        split = f"a multiple of {world_size}: the batch size is the global batch, split across {world_size} processes"
+        if task:  # not the option's: a flag's name for it would blame one the user never passed
+            raise ConfigError(
+                f"task {task!r}'s own batch_size={global_batch} is not allowed under {world_size} processes; expected "
+                f"{split}\nhint: pass --batch-size {nearest} (batch_size={nearest}), or the task's own option for it"
+            )
+        raise invalid("batch_size", global_batch, split, f"e.g. batch_size={nearest}")
 
 
 def data_size(data: Any) -> int | None:

@@ -19,8 +19,10 @@ from redline.config import (
     with_changes,
 )
 from redline.errors import ConfigError, invalid
+from redline.parallel.env import read_env
 from redline.runtime.measure import TRIALS, TrialRequest
 from redline.runtime.options import RuntimeOptions
+from redline.runtime.sampling import check_split
 from redline.task import Task
 from redline.train.logs import check_logger_names
 
@@ -153,6 +155,8 @@ class TrainerConfig:
                     name, getattr(self, name), f"it with a task that has val_data (task {task.name!r} has none)",
                     "drop it, or give the task val_data=...",
                 )  # fmt: skip
+        if self.batch_size is None:  # the task's own, named as such (in each launched worker: a launcher runs no task)
+            check_split(task.batch_size, read_env().world_size, task=task.name)
         if self.keep_best == "val_metric" and task.metric is None:
             raise invalid(
                 "keep_best", self.keep_best, f"val_loss: task {task.name!r} has no metric, so its evaluation "
