@@ -325,6 +325,17 @@ def test_an_op_without_a_kernel_for_the_reduced_precision_is_told_to_run_in_anot
     assert "shaped as the model expects" not in str(err.value) and "a dtype does not fit" not in str(err.value)
 
 
+def test_a_val_data_the_model_refuses_is_named_in_the_hint_not_the_dataset_the_steps_ran_on():
+    gen = torch.Generator().manual_seed(0)
+    narrower = TensorDataset(torch.randn(16, 3, generator=gen), torch.randint(0, 2, (16,), generator=gen))
+    with pytest.raises(TrainingError, match=r"evaluation at step 2: the model or loss raised RuntimeError") as err:
+        quiet(tiny_task(val_data=narrower), max_steps=2, eval_every=2, trial="off").fit()
+    assert (
+        "\nhint: check that val_data's items are (inputs, targets) shaped as train_data's, on which the steps ran"
+        in (str(err.value))
+    )
+
+
 def test_a_checkpoint_of_a_users_own_loop_is_refused_clearly(tmp_path):
     with redline.Runtime(devices="cpu") as rt:
         rt.setup(nn.Linear(4, 2), lambda params: torch.optim.SGD(params, lr=0.1))

@@ -188,10 +188,11 @@ def one_sample_refusal(exc: BaseException) -> BaseException | None:
 
 
 @wrapping_errors
-def user_code(where: str, inputs: Any, targets: Any, *, metric: bool = False) -> Iterator[Forward]:
+def user_code(where: str, inputs: Any, targets: Any, *, metric: bool = False, data: str = "") -> Iterator[Forward]:
     """Turn an exception from the model, loss or metric into a TrainingError that shows the user's line.
 
-    ``metric`` says the code inside is ``task.metric``, and ``inputs`` are then the model's outputs.
+    ``metric`` says the code inside is ``task.metric``, and ``inputs`` are then the model's outputs; ``data`` names the
+    dataset the batch came from ("val_data"), where the hint should.
     The caller may keep the model's outputs on the ``Forward`` it yields: when the loss then fails on a
     model that returned a tuple or a dict, the error says so.
 
@@ -228,7 +229,7 @@ def user_code(where: str, inputs: Any, targets: Any, *, metric: bool = False) ->
         elif one_sample_refusal(exc):
             culprit, hint, found = "the model", ONE_SAMPLE_HINT, "; the line above is the layer's call"
         else:
-            hint, found = _failure_hint(exc, first, inputs)
+            hint, found = _failure_hint(exc, first, inputs, data or "the dataset")
         if line:
             hint += f"{found} (REDLINE_TRACEBACK=1 prints the whole traceback; in Python it is the error's __cause__)"
         raise TrainingError(
@@ -236,9 +237,9 @@ def user_code(where: str, inputs: Any, targets: Any, *, metric: bool = False) ->
         ) from exc
 
 
-def _failure_hint(exc: Exception, first: str, inputs: Any) -> tuple[str, str]:
-    """The hint for a model or loss that failed on a batch (``first``: the error's first line), and what the line shown
-    below it is."""
+def _failure_hint(exc: Exception, first: str, inputs: Any, data: str) -> tuple[str, str]:
+    """The hint for a model or loss that failed on a batch of ``data`` (``first``: the error's first line), and what
+    the line shown below it is."""
     if "view size is not compatible with input tensor's size and stride" in first:
         hint = (
             ".view needs a contiguous tensor, and with channels_last on a convolution's output is NHWC: use "
@@ -261,7 +262,9 @@ def _failure_hint(exc: Exception, first: str, inputs: Any) -> tuple[str, str]:
             ".long() for cross_entropy, targets .float() for mse_loss or binary_cross_entropy"
         )
         return hint, "; if they fit, the line above is where your code failed"
-    hint = "check that the dataset's items are (inputs, targets) shaped as the model expects"
+    hint = f"check that {data}'s items are (inputs, targets) shaped as the model expects"
+    if data == "val_data":  # the steps ran on train_data's: the two differ
+        hint = "check that val_data's items are (inputs, targets) shaped as train_data's, on which the steps ran"
     return hint, "; if they are, the line above is where your code failed"
 
 
