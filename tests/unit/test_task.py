@@ -594,6 +594,15 @@ def test_module_that_fails_to_import_is_reported(tmp_path: Path, monkeypatch: py
         load_task(f"{name}:make")
 
 
+def test_a_task_file_that_does_not_parse_is_said_as_python_says_it_with_its_line(tmp_path: Path) -> None:
+    (tmp_path / "syn.py").write_text("def make(:\n    pass\n")
+    with pytest.raises(TaskSpecError) as raised:
+        load_task(f"{tmp_path / 'syn.py'}:make")
+    said = str(raised.value)  # it was the repr of the error's arguments: SyntaxError('invalid syntax', ('/tmp/...
+    assert f"importing {str(tmp_path / 'syn.py')!r} raised SyntaxError: invalid syntax (syn.py, line 1)\n" in said
+    assert f"\n  at {tmp_path / 'syn.py'}:1: def make(:\n" in said
+
+
 SCRIPT_THAT_EXITS = """
 import argparse
 argparse.ArgumentParser().parse_args(["--not-an-option"])  # a training script's top level, run on import

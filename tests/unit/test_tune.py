@@ -358,3 +358,10 @@ def test_a_cache_that_cannot_be_written_is_named_once_whichever_kinds_a_run_cach
         write_cache("trials", "key", [])
     [warning] = [r.getMessage() for r in caplog.records]
     assert f"could not cache the measurement in {tmp_path / 'readonly'}/peaks/key.json" in warning
+
+
+def test_a_loader_worker_count_is_said_in_the_singular_for_one():
+    from redline.bench.tune import _value
+
+    assert _value(Candidate(precision="fp32", loader_workers=1), "loader_workers") == "1 loader worker"
+    assert _value(Candidate(precision="fp32", loader_workers=4), "loader_workers") == "4 loader workers"

@@ -443,7 +443,7 @@ def _value(candidate: Candidate, axis: str) -> str:
         return candidate.label
     value = getattr(candidate, axis)
     if axis == "loader_workers":
-        return "the device's rule for workers" if value is None else f"{value} loader workers"
+        return "the device's rule for workers" if value is None else f"{value} loader worker{'s' * (value != 1)}"
     if axis == "grad_accum":
         return "one batch per step" if value == 1 else f"{value} {MICRO_BATCHES}"
     if isinstance(value, bool):

@@ -251,7 +251,15 @@ def _import_module(spec: str, module_name: str) -> Any:
     except SystemExit as exc:
         raise _exited(spec, module_name, exc) from exc
     except Exception as exc:
-        raise TaskSpecError(f"task spec {spec!r}: importing {module_name!r} raised {exc!r}{_where(exc)}") from exc
+        raise TaskSpecError(
+            f"task spec {spec!r}: importing {module_name!r} raised {_as_raised(exc)}{_where(exc)}"
+        ) from exc
+
+
+def _as_raised(exc: BaseException) -> str:
+    """An exception of the user's import as its message says it: ``SyntaxError: invalid syntax (tasks.py, line 3)``,
+    not the repr of its arguments."""
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def _where(exc: BaseException) -> str:
@@ -287,10 +295,12 @@ def _import_file(spec: str, path: Path) -> Any:
             raise _missing_module(spec, str(path), exc, beside=path.resolve().parent) from exc
         if _relative_import(exc, path):
             raise TaskSpecError(
-                f"task spec {spec!r}: importing {str(path)!r} raised {exc!r}{user_line(exc)}\n"
+                f"task spec {spec!r}: importing {str(path)!r} raised {_as_raised(exc)}{user_line(exc)}\n"
                 f"hint: {_package_hint(path, spec.rpartition(':')[2])}"
             ) from exc
-        raise TaskSpecError(f"task spec {spec!r}: importing {str(path)!r} raised {exc!r}{_where(exc)}") from exc
+        raise TaskSpecError(
+            f"task spec {spec!r}: importing {str(path)!r} raised {_as_raised(exc)}{_where(exc)}"
+        ) from exc
     return module
 
 
@@ -332,7 +342,7 @@ def _missing_module(spec: str, imported: str, exc: ModuleNotFoundError, beside: 
     except (ImportError, ValueError):  # a module in sys.modules without a spec
         installed = True
     if installed:
-        return TaskSpecError(f"task spec {spec!r}: importing {imported!r} raised {exc!r}{_where(exc)}")
+        return TaskSpecError(f"task spec {spec!r}: importing {imported!r} raised {_as_raised(exc)}{_where(exc)}")
     file = _module_file(imported) if beside is None else None  # a module spec: the file it names
     local_module = next((name for name in (f"{top}.py", f"{top}/") if file and (file.parent / name).exists()), None)
     if file is not None and local_module is not None:
