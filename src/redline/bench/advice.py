@@ -78,6 +78,12 @@ def advise(
                 f"{taken} though it runs {way}: its cost does not grow with the batch, so a larger --batch-size "
                 f"spreads it (`redline bench --batch-size {sizes}` measures it)"
             )
+        elif plan.optimizer is not None and "as fused stepped" in plan.optimizer.reason:  # fused timed slower here
+            out.append(
+                f"{taken}: its parameter tensors are stepped one by one, and its fused kernel timed slower here (the "
+                "Plan's optimizer row): foreach=True in the optimizer's factory steps them together, which `redline "
+                "bench` measures"
+            )
         else:
             out.append(
                 f"{taken}: many small parameter tensors are stepped one by one unless the optimizer is foreach "
