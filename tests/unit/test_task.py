@@ -815,6 +815,21 @@ def test_missing_module_hints_at_the_working_directory() -> None:
     assert "\nhint: run redline in the folder that holds redline_no_such_pkg_xyz/" in str(info.value)
 
 
+def test_a_module_missing_from_a_folder_here_is_said_so_with_the_nearest_name(tmp_path, monkeypatch) -> None:
+    """Run from the folder that holds tasks/, the hint said to run redline in the folder that holds tasks/."""
+    folder = f"redline_tasks_{uuid.uuid4().hex[:8]}"
+    (tmp_path / folder).mkdir()
+    (tmp_path / folder / "mlp.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for asked, hint in ((f"{folder}.mpl", f"did you mean '{folder}.mlp:make'?"), (f"{folder}.gone", "")):
+        with pytest.raises(TaskSpecError) as info:
+            load_task(f"{asked}:make")
+        said = str(info.value)
+        assert f"\nhint: {folder}/ is here, but holds no {asked.rpartition('.')[2]}.py" in said
+        assert said.endswith(hint) and "run redline in the folder" not in said
+
+
 # --- every malformed field, in any combination ---------------------------------------------------
 
 _MODEL = nn.Linear(2, 1)

@@ -242,11 +242,17 @@ def _import_module(spec: str, module_name: str) -> Any:
     except ModuleNotFoundError as exc:
         if exc.name and module_name != exc.name and not module_name.startswith(exc.name + "."):
             raise _missing_module(spec, module_name, exc) from exc
-        top = module_name.partition(".")[0]
+        top, _, rest = module_name.partition(".")
+        hint = f"run redline in the folder that holds {top}/ (or {top}.py), or pip install the package"
+        if rest and exc.name != top and (Path.cwd() / top).is_dir():  # the folder is here: its module is not
+            modules = sorted(f.stem for f in (Path.cwd() / top).glob("*.py"))
+            near = nearest(rest, modules)
+            hint = f"{top}/ is here, but holds no {rest.replace('.', '/')}.py" + (
+                f": did you mean '{top}.{near}:{spec.rpartition(':')[2]}'?" if near else ""
+            )
         raise TaskSpecError(
             f"task spec {spec!r}: module {module_name!r} not found ({exc}); "
-            f"expected {FORMS.format(', '.join(EXAMPLES))}\nhint: run redline in the folder that holds "
-            f"{top}/ (or {top}.py), or pip install the package"
+            f"expected {FORMS.format(', '.join(EXAMPLES))}\nhint: {hint}"
         ) from exc
     except SystemExit as exc:
         raise _exited(spec, module_name, exc) from exc
