@@ -310,3 +310,16 @@ def test_a_view_of_an_nhwc_output_under_channels_last_on_is_named_with_its_fixes
         Trainer(task, runtime=options, max_steps=2, progress=False, trial="off").fit()
     assert "\nhint: .view needs a contiguous tensor, and with channels_last on a convolution's output" in str(e.value)
     assert "use .reshape(...) there, or channels_last auto (which keeps such a model NCHW) or off" in str(e.value)
+
+
+def test_a_loss_of_per_sample_values_is_named_as_the_tasks_loss_in_a_runtime_row():
+    """The bench's rows said `backward(loss) got a tensor of shape (16, 1)` where train says what the task returned."""
+    generator = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 16, generator=generator), torch.randn(64, 1, generator=generator)
+    task = Task(model=lambda: nn.Linear(16, 1), loss_fn=lambda o, t: nn.functional.mse_loss(o, t, reduction="none"),
+                train_data=TensorDataset(x, y), batch_size=16, name="per_sample")  # fmt: skip
+    with pytest.raises(TaskError) as failed:
+        benchmark(task, devices="cpu", precisions=["fp32"], compiles=[False], steps=2, window=1, auto=False)
+    assert str(failed.value).startswith(
+        "task.loss_fn(outputs, targets) returned a tensor of shape (16, 1); expected a scalar (one value for the batch)"
+    )
