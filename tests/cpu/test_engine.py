@@ -315,10 +315,11 @@ def test_a_measurement_taken_while_the_cpus_were_busy_is_not_cached(cache, bf16_
     waited = [0.6]  # tasks waited for a CPU 60% of the timing: another process's loop on one of the two CPUs
 
     class Busy:
-        def start(self):
-            return self
+        @contextlib.contextmanager
+        def counting(self):
+            yield
 
-        def stop(self):
+        def share(self):
             return waited[0]
 
     monkeypatch.setattr(engine_module, "Stalls", Busy)

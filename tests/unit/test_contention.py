@@ -172,3 +172,31 @@ def test_stalls_read_the_share_of_an_interval_in_which_tasks_waited_for_a_cpu(tm
     waited(1)
     monkeypatch.setenv(ENV, "off")
     assert Stalls(root=tmp_path, clock=lambda: now[0]).start().stop() is None
+
+
+def test_stalls_count_the_intervals_they_are_entered_for_and_read_the_processs_own_cgroup(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV, raising=False)
+    (tmp_path / "proc/self").mkdir(parents=True)
+    (tmp_path / "proc/self/cgroup").write_text("1:cpu:/\n0::/user.slice/job.scope\n")
+    own = tmp_path / "sys/fs/cgroup/unified/user.slice/job.scope/cpu.pressure"  # a hybrid system's v2 mount
+    own.parent.mkdir(parents=True)
+    (tmp_path / "proc/pressure").mkdir()
+    (tmp_path / "proc/pressure/cpu").write_text("some avg10=0.00 total=0\n")  # the machine's: not read
+    now, total = [0.0], [1_000]
+
+    def moves(seconds: float, waited_us: int) -> None:
+        now[0] += seconds
+        total[0] += waited_us
+        own.write_text(f"some avg10=0.00 avg60=0.00 avg300=0.00 total={total[0]}\nfull avg10=0 total=0\n")
+
+    moves(0.0, 0)
+    stalls = Stalls(root=tmp_path, clock=lambda: now[0])
+    assert stalls.file == own and stalls.share() is None  # nothing counted yet
+    with stalls.counting():
+        moves(0.1, 10_000)  # a tenth of the timed round waited
+    moves(5.0, 4_000_000)  # a compile between the rounds, its workers waiting: not counted
+    with stalls.counting():
+        moves(0.1, 30_000)
+    assert stalls.share() == pytest.approx(0.2)
+    (tmp_path / "proc/self/cgroup").write_text("0::/\n")  # the root group, which keeps no file of its own here
+    assert Stalls(root=tmp_path).file == tmp_path / "proc/pressure/cpu"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,39 +115,76 @@ class Sampler:
 
 
 class Stalls:
-    """The share of an interval in which some task on the machine waited for a CPU: Linux's pressure stall
-    information (/proc/pressure/cpu's "some" total, in microseconds, brought up to date as it is read), so unlike
-    ``Sampler`` it tells a busy machine over a measurement of milliseconds. Our own threads count among the tasks:
-    two threads on two free CPUs wait for none, and with another process's loop on one of them they wait half the
-    time. ``Stalls().start()``, then ``.stop()``; None where it cannot be read (no PSI, not Linux, ``ENV`` off).
+    """The share of the time measured in which tasks waited for a CPU, from Linux's pressure stall information: the
+    "some" total (microseconds, brought up to date as it is read) of this process's cgroup (cgroup v2: its own
+    tasks' waits, which a neighbour slows only where it runs on our CPUs), else of the machine (/proc/pressure/cpu).
+    Unlike ``Sampler`` it tells a busy machine over a measurement of milliseconds. Our own threads count among the
+    tasks: two threads on two free CPUs wait for none, and beside another process's busy loop on one of them they
+    wait half the time. ``Stalls().start()`` then ``.stop()`` measures one interval; ``with stalls.counting():``
+    adds each interval it is entered for (timed rounds, not the compiles between them) and ``.share()`` gives the
+    share over them. None where it cannot be read (no PSI, not Linux, ``ENV`` off).
 
     ``root`` stands for / in tests, ``clock`` for time.monotonic.
     """
 
     def __init__(self, root: Path = Path("/"), clock: Callable[[], float] = time.monotonic) -> None:
         self.root, self.clock = root, clock
+        self.file = _pressure_file(root)
         self.before: tuple[float, int] | None = None
+        self.waited_us, self.seconds, self.known = 0, 0.0, True
 
     def start(self) -> Stalls:
         self.before = self.read()
         return self
 
     def stop(self) -> float | None:
-        after, before = self.read(), self.before
-        if before is None or after is None or after[0] <= before[0]:
+        self._add(self.before, self.read())
+        return self.share()
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator[None]:
+        before = self.read()
+        try:
+            yield
+        finally:
+            self._add(before, self.read())
+
+    def share(self) -> float | None:
+        """The share of the intervals counted in which some task waited, or None where it was not known."""
+        if not self.known or self.seconds <= 0:
             return None
-        return min(1.0, max(0, after[1] - before[1]) / ((after[0] - before[0]) * 1e6))
+        return min(1.0, self.waited_us / (self.seconds * 1e6))
+
+    def _add(self, before: tuple[float, int] | None, after: tuple[float, int] | None) -> None:
+        if before is None or after is None or after[0] < before[0]:
+            self.known = False
+            return
+        self.waited_us += max(0, after[1] - before[1])
+        self.seconds += after[0] - before[0]
 
     def read(self) -> tuple[float, int] | None:
-        """(now on ``clock``, the microseconds some task has waited for a CPU since boot), or None."""
+        """(now on ``clock``, the microseconds some task has waited for a CPU), or None."""
         if os.environ.get(ENV, "").lower() == "off":
             return None
         try:
-            text = (self.root / "proc/pressure/cpu").read_text(encoding="utf-8")
+            text = self.file.read_text(encoding="utf-8")
             some = next(line for line in text.splitlines() if line.startswith("some "))
             return self.clock(), int(some.rsplit("total=", 1)[1])
         except (OSError, ValueError, IndexError, StopIteration):
             return None
+
+
+def _pressure_file(root: Path) -> Path:
+    """This process's cgroup v2 CPU pressure file where it has one (a container's, a systemd unit's; mounted at
+    /sys/fs/cgroup or, on a hybrid system, /sys/fs/cgroup/unified), else the machine's."""
+    with contextlib.suppress(OSError, ValueError):
+        lines = (root / "proc/self/cgroup").read_text(encoding="utf-8").splitlines()
+        group = next((line[3:].lstrip("/") for line in lines if line.startswith("0::")), None)
+        for mount in ("sys/fs/cgroup", "sys/fs/cgroup/unified"):
+            found = root / mount / group / "cpu.pressure" if group is not None else None
+            if found is not None and found.is_file():
+                return found
+    return root / "proc/pressure/cpu"
 
 
 def _process(stat: str) -> tuple[int, int, int]:

@@ -411,16 +411,16 @@ class InferenceEngine:
             self._variant(setting)  # forward would then be the original's
         if any(s.compiled for s in settings):
             self._compile()
-        stalls = Stalls().start()
+        stalls = Stalls()  # counts the timed rounds alone: not the compiles, nor the runners' builds
         try:
             with self._compile_room():
-                timings = {bucket: self._time(settings, bucket) for bucket in buckets}
+                timings = {bucket: self._time(settings, bucket, stalls) for bucket in buckets}
         except CaptureFailed as exc:
             self.plan["cuda_graphs"] = Choice(False, exc.without_graphs())
             if not is_oom(exc):  # out of memory may not happen on the next start; the rest would
                 store_capture_failure(key, exc.without_graphs())
             return None
-        return timings, store_unless_busy(key, timings, stalls.stop())
+        return timings, store_unless_busy(key, timings, stalls.share())
 
     def _split_off(self, kept: Setting, small: Setting, ends: dict[int, list[Timing]]) -> Choice[str | None] | None:
         """The small_batches entry where ``small`` beat ``kept`` on the smallest bucket: the buckets it runs, timed
@@ -445,10 +445,10 @@ class InferenceEngine:
         self._split = (small, runs)
         return Choice(choice.value, f"{choice.reason}; {found[1]}") if found[1] else choice
 
-    def _time(self, settings: Sequence[Setting], bucket: int) -> list[Timing]:
+    def _time(self, settings: Sequence[Setting], bucket: int, stalls: Stalls | None = None) -> list[Timing]:
         """Time ``settings`` (the reference first) on ``bucket``, each through the runner it would serve with."""
         runners = [(s, self._trial_runner(s, bucket)) for s in settings]
-        return time_settings(runners, self._zeros(bucket), self._probe(bucket), sync=self._sync)
+        return time_settings(runners, self._zeros(bucket), self._probe(bucket), sync=self._sync, stalls=stalls)
 
     def _trial_runner(self, setting: Setting, bucket: int) -> Any:
         """A factory of the runner for ``setting`` on ``bucket``, prepared; a compile that fell back is a failure."""

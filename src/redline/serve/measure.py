@@ -13,6 +13,7 @@ this machine, the buckets, the input and the settings, so a restarted server mea
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from redline.errors import describe_error
-from redline.hardware.contention import STALLED
+from redline.hardware.contention import STALLED, Stalls
 from redline.hardware.device import DeviceFacts
 from redline.plan.inference import Setting, Timing
 from redline.runtime.cache import cache_key, read_cache, write_cache
@@ -49,11 +50,13 @@ def time_settings(
     *,
     sync: Callable[[], None],
     clock: Callable[[], float] = time.perf_counter,
+    stalls: Stalls | None = None,
 ) -> list[Timing]:
     """Time each setting's runner (built by its factory; the first is the reference) and judge its outputs.
 
     A candidate whose runner cannot be built or fails on the batch is recorded as failed with the
-    error; the reference's failure, or a sticky CUDA error, is raised.
+    error; the reference's failure, or a sticky CUDA error, is raised. ``stalls`` counts the CPU waits of the timed
+    rounds alone (a build compiles, its workers our own tasks).
     """
     built: list[tuple[Setting, Runner]] = []
     failed: dict[Setting, str] = {}
@@ -74,8 +77,9 @@ def time_settings(
     calls = [calls_per_step(runner, zeros, sync=sync, clock=clock) for _, runner in built]
     steps = [_step(runner, zeros, n) for (_, runner), n in zip(built, calls, strict=True)]
     settle = [_step(runner, zeros, 1) for _, runner in built]
-    times, _ = time_steps(steps, warmup=0, rounds=ROUNDS, block=BLOCK, sync=sync, clock=clock, budget_s=MAX_SECONDS,
-                          settle=settle)  # fmt: skip
+    with stalls.counting() if stalls is not None else contextlib.nullcontext():
+        times, _ = time_steps(steps, warmup=0, rounds=ROUNDS, block=BLOCK, sync=sync, clock=clock,
+                              budget_s=MAX_SECONDS, settle=settle)  # fmt: skip
     reference = outputs.get(runners[0][0])
     timed = {
         setting: Timing(setting, _blocks([t / n for t in step_times]), _error(outputs[setting], reference))
