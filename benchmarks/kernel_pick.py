@@ -27,8 +27,8 @@ from redline.runtime import trial
 from redline.runtime.attention import model_attention
 from redline.runtime.contract import split_batch
 from redline.runtime.loading import read_batches
-from redline.runtime.measure import _workload
 from redline.runtime.options import RuntimeOptions
+from redline.runtime.workload import workload
 from redline.task.spec import load_task
 
 WORKLOADS: list[tuple[str, dict[str, Any]]] = [
@@ -47,7 +47,7 @@ def one(spec: str, options: dict[str, Any]) -> dict[str, Any]:
     device = torch.device("cpu")
     loader = DataLoader(task.train_data, batch_size=task.batch_size, collate_fn=task.collate_fn)
     batch = split_batch(next(read_batches(loader)), "train_data")
-    work = _workload(RuntimeOptions(devices="cpu"), task.batch_size, DistEnv())
+    work = workload(task, RuntimeOptions(devices="cpu"), task.batch_size, DistEnv())
     assert work is not None
     calls = model_attention(task, device, batch[0])
     forms = work.kernel_forms(calls)

@@ -21,6 +21,7 @@ from redline.parallel.env import DistEnv
 from redline.plan import Choice
 from redline.plan.precision import fast_precisions
 from redline.runtime import measure
+from redline.runtime import workload as workload_module
 from redline.runtime.cache import cache_dir
 from redline.runtime.compile import CompileRecord, compile_module
 from redline.runtime.measure import measure_auto
@@ -408,9 +409,9 @@ def test_a_trial_steps_as_a_sharded_run_where_auto_will_pick_fsdp_by_the_models_
 
     def work(mem_gib, world_size=2, strategy="auto"):
         facts = dataclasses.replace(CPUS["amx"], mem_gib=mem_gib)
-        monkeypatch.setattr(measure, "worker_device", lambda options, env: (torch.device("cpu"), facts))
+        monkeypatch.setattr(workload_module, "worker_device", lambda options, env: (torch.device("cpu"), facts))
         env = DistEnv(world_size=world_size)
-        found = measure._workload(cnn, RuntimeOptions(devices="cpu", strategy=strategy), 16, env)
+        found = workload_module.workload(cnn, RuntimeOptions(devices="cpu", strategy=strategy), 16, env)
         assert found is not None
         return found
 

@@ -9,9 +9,10 @@ from redline.parallel.env import DistEnv
 from redline.runtime import kernel_check, measure
 from redline.runtime.attention import AttentionCall, model_attention
 from redline.runtime.kernel_check import KEEP, preferred
-from redline.runtime.measure import _workload, measure_auto, repaid_rounds
+from redline.runtime.measure import measure_auto, repaid_rounds
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.trial import Measured, trial_steps
+from redline.runtime.workload import KERNELS_TRIAL_S, workload
 
 SHORT = 300  # steps: a trial of fp32 and bf16-mixed fits a tenth of it, one with bf16-mixed on math too does not
 STEPS_MS = {"fp32": 10.0, "bf16-mixed": 11.0, "bf16-mixed with math attention": 7.0}
@@ -94,7 +95,7 @@ def test_kernels_that_cannot_be_timed_leave_torchs_pick_and_the_precision_is_sti
 def test_a_kernel_the_budget_left_untimed_is_never_said_to_have_lost(trial, times):
     trial["times"] = times
     found = auto()
-    assert trial["trials"] == [["bf16-mixed"]] and trial["budget"] == measure.KERNELS_TRIAL_S
+    assert trial["trials"] == [["bf16-mixed"]] and trial["budget"] == KERNELS_TRIAL_S
     reason = found["attention"].reason
     assert "would take longer than 10 s on math (--attention KERNEL runs one)" in reason
     assert "no other ran" not in reason
@@ -127,7 +128,7 @@ def test_a_call_under_a_dtype_casts_its_floating_inputs_but_float64_and_keeps_a_
 def test_the_kernels_are_picked_on_the_models_real_calls_with_torchs_own_timing(monkeypatch):
     """No fake: the calls of a small GPT, cast to bf16 and timed on this CPU's kernels, name one form of bf16-mixed."""
     monkeypatch.setenv("REDLINE_CPU", "amx")
-    work = _workload(gpt_task(), RuntimeOptions(devices="cpu"), 4, DistEnv())
+    work = workload(gpt_task(), RuntimeOptions(devices="cpu"), 4, DistEnv())
     assert work is not None and work.candidates == ["bf16-mixed"]
     calls = model_attention(gpt_task(), "cpu")
     forms, told = work.picked_forms(calls)

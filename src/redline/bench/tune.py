@@ -49,7 +49,6 @@ from redline.plan import Choice
 from redline.plan.attention import DEFAULT
 from redline.plan.device import resolve_device
 from redline.runtime.attention import AttentionCall, attention_kernels, model_attention
-from redline.runtime.measure import fingerprint_of
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.trial import Measured, judge
 from redline.runtime.tuned import (
@@ -60,6 +59,7 @@ from redline.runtime.tuned import (
     TunedPlan,
     check_tuned_cache,
 )
+from redline.runtime.workload import fingerprint_of
 from redline.task import Task, require_task
 
 MARGIN = 1.05  # an alternative replaces the current setting where the current's planned run is 1.05x as long

@@ -27,45 +27,36 @@ from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, get_args
 
 import torch
-from torch import nn
 from torch.utils.data import DataLoader
 
-from redline.errors import describe_error
 from redline.hardware.contention import Sampler
-from redline.hardware.device import DeviceFacts, probe_accelerators, probe_device
 from redline.parallel.collectives import run_on_rank0
 from redline.parallel.env import DistEnv
 from redline.plan import Choice
-from redline.plan.attention import plan_kernel
-from redline.plan.device import resolve_worker_device
-from redline.plan.layout import has_conv2d, resolve_channels_last
 from redline.plan.optimizer import resolve_zero_grad
-from redline.plan.precision import PrecisionName, fast_precisions, resolve_precision, resolve_tf32
-from redline.plan.strategy import will_shard
-from redline.runtime.attention import AttentionCall, attention_kernels, model_attention
+from redline.plan.precision import resolve_precision, resolve_tf32
+from redline.runtime.attention import model_attention
 from redline.runtime.cache import read_cache, write_cache
-from redline.runtime.contract import split_batch, users_failure
+from redline.runtime.contract import split_batch
 from redline.runtime.fused import as_the_run_steps
-from redline.runtime.kernel_check import KEEP, preferred, time_against_pick
-from redline.runtime.layout import falls_back
 from redline.runtime.loading import read_batches
 from redline.runtime.optimizer import check_trainable
 from redline.runtime.options import RuntimeOptions
-from redline.runtime.precision import AUTOCAST_DTYPES, half_model_keeps_fp32
+from redline.runtime.precision import half_model_keeps_fp32
 from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.settings import ProcessSettings
 from redline.runtime.trial import (
     ROUNDS,
     Measured,
     choose,
-    form,
-    form_parts,
     load_cached,
     run_trial,
     store,
     trial_key,
     trial_steps,
 )
+from redline.runtime.workload import FINGERPRINT_HINT as FINGERPRINT_HINT  # the Trainer's, for its own build
+from redline.runtime.workload import Workload, fingerprint_of, workload
 from redline.task import Task
 
 log = logging.getLogger("redline")
@@ -77,9 +68,6 @@ REPAY = 10  # a trial's rounds are as many as keep its steps within this share o
 # The fewest rounds a trial runs: one round can only keep fp32; at two, a trial that finds nothing (about 12 of the
 # run's steps for one candidate) would cost a run of 180 steps 7%, more than the whole-trial rule ever let it cost.
 LEAST_ROUNDS = 3
-# The most seconds a trial's timing of the model's attention calls alone may take (``picked_forms``): each kernel's
-# four passes of the calls cost less than the thirteen whole steps a trial of that kernel's form would.
-KERNELS_TRIAL_S = 10.0
 NOT_MEASURED = "not measured:"  # in a choice's reason where no trial was run nor read (the rule's, and why)
 PICKED = "trial-kernels"  # the cache's kind that keeps, beside a trial, how ``picked_forms`` picked its kernels
 RUNS = "trial-runs"  # the cache's kind that keeps the planned steps of a workload's runs that did not measure
@@ -129,7 +117,7 @@ def _measured(
     counts: bool,
     insist: str = INSIST,
 ) -> tuple[dict[str, Choice[str]], float | None]:
-    work = _workload(task, options, batch_size, env)
+    work = workload(task, options, batch_size, env)
     if work is None:
         return {}, None  # a precision given, or none worth trying here: the rule's reason says why
     rule = resolve_precision("auto", work.facts)
@@ -204,121 +192,9 @@ def recall_auto(task: Task, options: RuntimeOptions, batch_size: int, env: DistE
     """The "auto" choices a trial cached for this run (as ``measure_auto`` would read them: ``"precision"``, and
     ``"attention"`` where it timed the kernels), else {}: a reader that must not run steps (an estimate of memory,
     made before the step is known to fit) takes no more."""
-    work = _workload(task, options, batch_size, env)
+    work = workload(task, options, batch_size, env)
     found = _measure(task, work, _keys(task, work), True, lambda names: ROUNDS) if work is not None else None
     return work.choices(found.choice, kernels=found.kernels) if work is not None and found is not None else {}
-
-
-@dataclass(frozen=True)
-class _Workload:
-    """What a trial times, besides the task: on which device, at which batch, which candidates, in which layout."""
-
-    device: torch.device
-    facts: DeviceFacts
-    local_batch: int
-    candidates: list[PrecisionName]  # the reduced precisions: each is timed, and with each attention kernel (below)
-    channels_last: str  # the run's request ("auto", "on", "off"): each precision is timed in the layout it gets
-    fallback: bool  # whether the run goes back to NCHW where its model fails in NHWC (runtime/layout.py): the trial too
-    attention: str  # the run's request: "auto" times the kernels (``kernel_forms``); a kernel named runs every step
-    sharded: bool = False  # FSDP, asked or auto's: the run keeps its optimizer as given, and the trial's copies step so
-    deterministic: bool = False  # on a CPU a deterministic run keeps its optimizer as given, untimed: the copies too
-
-    def layout(self, model: nn.Module) -> Callable[[str], bool]:
-        """Whether the run would lay ``model`` out channels_last under each precision."""
-        convolutional = has_conv2d(model)
-        return lambda precision: (
-            resolve_channels_last(self.channels_last, self.facts, has_conv2d=convolutional, precision=precision).value
-        )
-
-    def choices(self, chosen: Choice[str], *, kernels: bool) -> dict[str, Choice[str]]:
-        """The Runtime's measured axes from the trial's choice of form: the precision, and the attention kernel where
-        the trial timed ``kernels`` ("default": torch's pick per call), each with the trial's reason."""
-        precision, kernel = form_parts(chosen.value)
-        found = {"precision": Choice(precision, chosen.reason)}
-        if kernels:
-            found["attention"] = Choice(plan_kernel(kernel), chosen.reason)
-        return found
-
-    def kernel_forms(self, calls: Sequence[AttentionCall]) -> list[str]:
-        """Each reduced precision with every other attention kernel that takes the model's ``calls`` in it.
-
-        torch's pick can be what loses a precision: on a 2-core Xeon with AMX, chargpt's bf16 step ran 1.62x faster
-        with math attention than with the CPU flash kernel torch picks, and 1.35x fp32's, where it had lost to fp32.
-        Math is left out on CUDA, and where it would not fit (``attention_kernels``).
-        """
-        return [form(p, k) for p in self.candidates for k in attention_kernels(calls, self.device, p)]
-
-    def picked_forms(self, calls: Sequence[AttentionCall]) -> tuple[list[str], str]:
-        """Each reduced precision with the attention kernel it prefers, picked by timing the model's ``calls`` alone
-        on each kernel that takes them (runtime/kernel_check.py: one ``KEEP`` faster than torch's pick, else torch's
-        pick), and how each was picked, for the Plan. For a run that does not repay whole steps on every kernel: a
-        precision then costs the trial no more steps than alone, and is timed on the kernel it runs fastest on, not on
-        torch's pick (which lost chargpt's bf16 to fp32 on a CPU with AMX, 300 steps:
-        benchmarks/results/frameworks-xeon-amx.md).
-        """
-        picked, told = [], []
-        for precision in self.candidates:
-            cast = [call.under(AUTOCAST_DTYPES[precision]) for call in calls]
-            try:
-                kernels, timed = time_against_pick(cast, self.device, precision, budget_s=KERNELS_TRIAL_S)
-            except Exception as exc:  # torch's pick, as a run that cannot time them keeps it
-                kernels, timed = [], {}
-                told.append(f"{precision}'s attention kernels could not be timed ({describe_error(exc)}): torch's pick")
-            kernel, ratio = preferred(timed)
-            picked.append(form(precision, kernel or "auto"))
-            alone = f"the model's attention calls ({len(calls)}), timed alone under {precision}"
-            untimed = [str(k) for k in kernels if k is not None and k not in timed]
-            if kernel is not None:
-                told.append(f"{kernel} attention picked for {precision}: {alone}, ran {ratio:.2f}x torch's pick")
-            elif len(kernels) > 1 and (None not in timed or untimed):  # never said to lose where it was not timed
-                told.append(
-                    f"torch's attention kernel kept for {precision}: {alone}, would take longer than "
-                    f"{KERNELS_TRIAL_S:g} s on {', '.join(untimed) or 'any kernel'} (--attention KERNEL runs one)"
-                )
-            elif timed:
-                told.append(f"torch's attention kernel kept for {precision}: no other ran {alone}, {KEEP}x faster")
-        return picked, "; ".join(told)
-
-
-def _workload(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv) -> _Workload | None:
-    """The trial this run's auto precision would take; None where the precision is given or nothing is worth trying."""
-    if options.precision != "auto":
-        return None
-    device, facts = worker_device(options, env)
-    candidates = fast_precisions(facts)
-    if not candidates:
-        return None
-    sharded = will_shard(  # FSDP asked, or "auto" picking it as the run's setup will, by the model's size
-        options.strategy, world_size=env.world_size, device_mem_gib=facts.mem_gib,
-        params=lambda: sum(p.numel() for p in task.outline().parameters()),
-    )  # fmt: skip
-    layout = "off" if sharded else options.channels_last  # FSDP's models stay NCHW (plan/layout.py)
-    fallback = falls_back(layout, env.world_size)
-    return _Workload(
-        device, facts, batch_size // env.world_size, candidates, layout, fallback, options.attention,
-        sharded=sharded, deterministic=options.deterministic,
-    )  # fmt: skip
-
-
-def fingerprint_of(task: Task) -> str:
-    """The task's fingerprint; the model factory or the dataset failing under it (the first of the user's code a
-    run meets) is a TrainingError that shows their line, as the Trainer says it when it builds the model."""
-    what = f"task {task.name!r}: building the model or reading the first item of train_data (the task's fingerprint)"
-    with users_failure(what, FINGERPRINT_HINT):
-        return task.fingerprint()
-
-
-FINGERPRINT_HINT = (
-    "the line above is in your model or dataset; a lazy module (nn.LazyLinear) needs one forward on a sample batch "
-    "where it is built"
-)
-
-
-def worker_device(options: RuntimeOptions, env: DistEnv) -> tuple[torch.device, DeviceFacts]:
-    """The device this process's Runtime will run on, and its facts."""
-    local_rank = env.local_rank if env.distributed else None
-    device = torch.device(resolve_worker_device(options.devices, probe_accelerators(), local_rank=local_rank).value)
-    return device, probe_device(device)
 
 
 class Found(NamedTuple):
@@ -339,7 +215,7 @@ class _Keys:
     runs: str
 
 
-def _keys(task: Task, work: _Workload) -> _Keys:
+def _keys(task: Task, work: Workload) -> _Keys:
     facts, local_batch = work.facts, work.local_batch
     parts = [*work.candidates, f"layout {work.channels_last}", f"NCHW fallback {work.fallback}"]
     parts += ["optimizer as given"] if work.sharded or work.deterministic else []  # the copies step it so (fused.py)
@@ -354,7 +230,7 @@ def _keys(task: Task, work: _Workload) -> _Keys:
 
 def _measure(
     task: Task,
-    work: _Workload,
+    work: Workload,
     keys: _Keys,
     recall_only: bool,
     rounds_for: Callable[[Sequence[str]], int],
@@ -377,7 +253,7 @@ def _measure(
 
 def _measure_or_recall(
     task: Task,
-    work: _Workload,
+    work: Workload,
     keys: _Keys,
     recall_only: bool,
     rounds_for: Callable[[Sequence[str]], int],
@@ -449,7 +325,7 @@ def _measure_or_recall(
     return Found(choice, key == with_kernels, seconds)
 
 
-def _recall(work: _Workload, keys: _Keys, where: str, *, busy_too: bool) -> Found | None:
+def _recall(work: Workload, keys: _Keys, where: str, *, busy_too: bool) -> Found | None:
     """The trial cached for this workload, with its reason; None where none is, or where the one cached was measured
     on a busy machine (``busy_note``) and not ``busy_too``: a run that repays a trial measures again."""
     kinds = [(keys.with_kernels, True), (keys.plain, False)] if work.attention == "auto" else [(keys.plain, False)]

@@ -19,11 +19,11 @@ from torch.utils.data import Dataset
 from redline.hardware.device import DeviceFacts
 from redline.parallel.collectives import run_on_rank0
 from redline.parallel.env import DistEnv
-from redline.runtime.measure import fingerprint_of, worker_device
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.sampling import batches_per_epoch, job_size, untrained_batches
 from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.tuned import MICRO_BATCHES, TUNED_AXES, TunedPlan, Tuning, load_tuned
+from redline.runtime.workload import fingerprint_of, worker_device
 from redline.task import Task
 
 log = logging.getLogger("redline")

@@ -18,10 +18,10 @@ from redline.checkpoint import Checkpoint, load_plan
 from redline.errors import ConfigError, RedlineError
 from redline.parallel.env import DistEnv
 from redline.runtime.cache import cache_dir
-from redline.runtime.measure import worker_device
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.tuned import MICRO_BATCHES
 from redline.runtime.tuned_run import TunedRun, auto_tuned, find_tuned, say_given_over_tune, whole_where_untrained
+from redline.runtime.workload import worker_device
 from redline.task import Task
 from redline.train.data import plan_length
 
