@@ -29,7 +29,7 @@ from redline.plan import Choice, Plan
 from redline.plan.device import resolve_device
 from redline.runtime.compile import gave_up_on_model
 from redline.runtime.contract import split_batch
-from redline.runtime.loss import check_loss
+from redline.runtime.loss import task_loss
 from redline.runtime.optimizer import check_trainable
 from redline.runtime.options import PrecisionRequest, RuntimeOptions, Switch
 from redline.runtime.runtime import Runtime
@@ -220,7 +220,7 @@ def runtime_runner(
 
     def step(inputs: Any, targets: Any) -> torch.Tensor:
         with phase("forward"), rt.autocast():
-            loss = check_loss(loss_fn(model(inputs), targets), training=True)  # said as the task's, as train says it
+            loss = task_loss(loss_fn, model(inputs), targets)  # said as the task's, as train says it
         with phase("backward"):
             rt.backward(loss)
         with phase("optimizer"):

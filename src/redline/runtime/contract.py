@@ -27,7 +27,7 @@ from redline.errors import (
 )
 from redline.parallel.collectives import is_collective_failure
 from redline.runtime.cuda_errors import is_sticky_cuda_error
-from redline.runtime.loss import check_loss
+from redline.runtime.loss import check_loss, task_loss
 from redline.runtime.oom import is_oom
 from redline.task.definition import is_array
 
@@ -39,6 +39,7 @@ __all__ = [
     "describe",
     "metric_value",
     "split_batch",
+    "task_loss",
     "user_code",
     "user_line",
     "users_failure",

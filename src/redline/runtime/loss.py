@@ -1,7 +1,12 @@
-"""The one check every loss passes before backward: a one-element tensor that carries a gradient."""
+"""The one check every loss passes before backward: a one-element tensor that carries a gradient; and a task's loss
+function's first call checked for targets it broadcast against outputs of another shape (``task_loss``)."""
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -47,3 +52,35 @@ def check_loss(loss: Any, *, training: bool, source: str = TASK_LOSS) -> torch.T
             "hint: build the loss from the model's outputs without .detach(), .item() or torch.no_grad()"
         )
     return loss
+
+
+# torch's warning where an elementwise loss (mse, l1, smooth_l1, huber, binary cross-entropy) broadcasts the targets
+# against outputs of another shape: outputs (16, 1) and targets (16,) give a (16, 16) loss, trained without an error
+BROADCAST = r"Using a target size .* that is different to the input size"
+_CHECKED: weakref.WeakSet[Callable[..., Any]] = weakref.WeakSet()  # the loss functions whose first call passed
+
+
+def task_loss(loss_fn: Callable[..., Any], outputs: Any, targets: Any) -> torch.Tensor:
+    """``loss_fn(outputs, targets)``, checked as the task's training loss (``check_loss``). A loss function's first
+    call in the process (one that cannot be weakly referenced: each call) is made with torch's broadcasting warning
+    (``BROADCAST``) as an error: a loss of the wrong shape's targets that would train on, wrongly, is refused."""
+    if loss_fn in _CHECKED:
+        return check_loss(loss_fn(outputs, targets), training=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=BROADCAST, category=UserWarning)
+        try:
+            loss = loss_fn(outputs, targets)
+        except UserWarning as exc:
+            raise TaskError(
+                f"task.loss_fn(outputs, targets) broadcast targets {_shape(targets)} against outputs {_shape(outputs)}"
+                f", which gives a wrong loss (torch: {str(exc).split('. ')[0]})\nhint: make them one "
+                "shape: a model with as many outputs as each target has values, or targets shaped as the outputs "
+                "(targets.view(-1, 1) for one output); where the broadcast is meant, expand the targets in loss_fn"
+            ) from exc
+    with contextlib.suppress(TypeError):  # not weakly referable (a builtin): checked at each call
+        _CHECKED.add(loss_fn)
+    return check_loss(loss, training=True)
+
+
+def _shape(value: Any) -> str:
+    return f"of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else f"of type {type(value).__name__}"

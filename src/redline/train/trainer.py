@@ -31,7 +31,7 @@ from redline.hardware.device import probe_accelerators
 from redline.parallel.collectives import StopVote
 from redline.parallel.env import join_process_group, mark_finished, read_env
 from redline.plan.device import resolve_device
-from redline.runtime.contract import check_loss, count_tokens, split_batch, user_code, users_failure
+from redline.runtime.contract import count_tokens, split_batch, task_loss, user_code, users_failure
 from redline.runtime.cycle import hang_watchdog
 from redline.runtime.measure import FINGERPRINT_HINT, measure_run
 from redline.runtime.options import RuntimeOptions
@@ -270,7 +270,7 @@ class Trainer:
             # a failed collective and an out-of-memory pass through (FSDP gathers weights in the forward)
             with user_code(f"step {pos.step + 1}", *batch) as forward:
                 forward.outputs = model(batch[0])
-                return check_loss(self.task.loss_fn(forward.outputs, batch[1]), training=True)
+                return task_loss(self.task.loss_fn, forward.outputs, batch[1])
 
         return rt.train_step(loss_of, (inputs, targets))
 
