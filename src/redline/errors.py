@@ -93,15 +93,15 @@ class NotedInterrupts:
 
 @contextlib.contextmanager
 def noting_interrupts() -> Iterator[NotedInterrupts]:
-    """Within, a SIGINT or SIGTERM whose handler raises (Python's KeyboardInterrupt, the command line's Terminated) is
-    noted as it raises, so that a block which ends normally though one was raised can raise it again (``raise_lost``); a
-    signal ignored or left to its default is left so. Outside the main thread nothing is noted."""
+    """Within, a SIGINT, SIGTERM or SIGHUP whose handler raises (Python's KeyboardInterrupt, the command line's
+    Terminated) is noted as it raises, so that a block which ends normally though one was raised can raise it again
+    (``raise_lost``); a signal ignored or left to its default is left so. Outside the main thread nothing is noted."""
     noted = NotedInterrupts()
     if threading.current_thread() is not threading.main_thread():
         yield noted
         return
     previous = {}
-    for signum in (signal.SIGINT, signal.SIGTERM):
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # the command line takes the last two as Ctrl-C
         handler = signal.getsignal(signum)
         if callable(handler):
 

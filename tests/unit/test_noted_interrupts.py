@@ -39,6 +39,7 @@ def test_an_interrupt_python_drops_is_noted_and_raised_again(dropped):
 
 def test_an_interrupt_the_caller_caught_is_forgotten_and_sigterm_comes_back_as_terminated(dropped):
     before = signal.signal(signal.SIGTERM, raising_sigterm)  # as the command line takes SIGTERM (cli/signals.py)
+    hung_up = signal.signal(signal.SIGHUP, raising_sigterm)  # and SIGHUP
     try:
         with noting_interrupts() as noted:
             with pytest.raises(KeyboardInterrupt):
@@ -52,9 +53,14 @@ def test_an_interrupt_the_caller_caught_is_forgotten_and_sigterm_comes_back_as_t
             with pytest.raises(Terminated) as raised:
                 noted.raise_lost()
             assert raised.value.signum == signal.SIGTERM
+            DropsItsInterrupt(signal.SIGHUP)  # the terminal closed: the command line takes it as Ctrl-C too
+            with pytest.raises(Terminated) as raised:
+                noted.raise_lost()
+            assert raised.value.signum == signal.SIGHUP
         assert signal.getsignal(signal.SIGTERM) is raising_sigterm
     finally:
         signal.signal(signal.SIGTERM, before)
+        signal.signal(signal.SIGHUP, hung_up)
 
 
 def test_a_handler_that_raises_nothing_and_an_ignored_signal_are_left_alone(dropped):

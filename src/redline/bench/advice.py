@@ -3,6 +3,7 @@ command that measures it (a profile proposes, a measurement decides)."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,6 +13,7 @@ from redline.plan import Choice, Plan
 DATA_SHARE = 0.10  # loading above this share of a step is worth a look (the old TensorBoard plugin said 5%)
 IDLE_SHARE = 0.40  # a GPU idle this long in each step waits on the host
 OPTIMIZER_SHARE = 0.30
+FUSED_TIMED = re.compile(r"as fused stepped ([\d.]+)x as fast")  # the Plan's row where a timing kept it as given
 
 
 def advise(
@@ -78,11 +80,11 @@ def advise(
                 f"{taken} though it runs {way}: its cost does not grow with the batch, so a larger --batch-size "
                 f"spreads it (`redline bench --batch-size {sizes}` measures it)"
             )
-        elif plan.optimizer is not None and "as fused stepped" in plan.optimizer.reason:  # fused timed slower here
+        elif plan.optimizer is not None and (timed := FUSED_TIMED.search(plan.optimizer.reason)):  # kept: too slow
             out.append(
-                f"{taken}: its parameter tensors are stepped one by one, and its fused kernel timed slower here (the "
-                "Plan's optimizer row): foreach=True in the optimizer's factory steps them together, which `redline "
-                "bench` measures"
+                f"{taken}: its parameter tensors are stepped one by one, and its fused kernel stepped {timed[1]}x as "
+                "fast here, too little to take (the Plan's optimizer row): foreach=True in the optimizer's factory "
+                "steps them together, which `redline bench` measures"
             )
         else:
             out.append(

@@ -249,7 +249,7 @@ def _failure_hint(exc: Exception, first: str, inputs: Any, data: str) -> tuple[s
         return hint, "; the line above is the .view"
     if one_argument := one_argument_hint(exc, first, inputs):
         return one_argument
-    if REDUCED_KERNEL.search(first):
+    if HALF_NAMED.search(first) or (ONEDNN_REFUSED in first and _autocast_on()):
         hint = (
             "an op of the model has no kernel for the reduced precision it ran in on this device (fp16 on a CPU, "
             "often): run it with --precision fp32 (precision='fp32'), or bf16-mixed where fp16-mixed failed; in an "
@@ -320,8 +320,14 @@ def one_argument_hint(exc: Exception, first: str, inputs: Any) -> tuple[str, str
 # torch's words for operands of the wrong dtype: "mat1 and mat2 must have the same dtype", "expected target dtype to be
 # Long", "result type Float can't be cast to the desired output type Long", "expected scalar type Long but found Int"
 DTYPE_TROUBLE = re.compile(r"dtype|scalar type|can't be cast to the desired|not implemented for '")
-# an op without a kernel for half precision: torch's own words, or oneDNN's for a CPU's LSTM or convolution in fp16
-REDUCED_KERNEL = re.compile(r"not implemented for '(Half|BFloat16)'|could not create a primitive descriptor")
+# an op without a kernel for half precision, in torch's words; oneDNN's (a CPU's LSTM in fp16) say so under autocast
+HALF_NAMED = re.compile(r"not implemented for '(Half|BFloat16)'")
+ONEDNN_REFUSED = "could not create a primitive descriptor"
+
+
+def _autocast_on() -> bool:
+    """Whether the failed call ran under autocast (the step's and the evaluation's forward are inside it)."""
+    return any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
 
 
 def describe(value: Any) -> str:

@@ -61,7 +61,7 @@ def evaluate_model(
         collate = task.collate_fn or default_collate  # what a batch that is no pair is blamed on
         for batch, counted in _in_step(task, val, env, summed_on(rt.device)):
             inputs, targets = split_batch(rt.to_device(batch), "val_data", collate_fn=collate)
-            with user_code(where, inputs, targets, data="val_data") as forward, rt.eager(), rt.autocast():  # eager
+            with rt.eager(), rt.autocast(), user_code(where, inputs, targets, data="val_data") as forward:  # eager
                 outputs = forward.outputs = model(inputs)
                 if not counted:
                     continue
