@@ -253,10 +253,8 @@ def test_a_second_runtime_in_the_same_workers_joins_a_working_group(tmp_path):
 def test_a_batch_that_does_not_split_names_the_fix(tmp_path):
     result = launch("--nproc", "2", JOB, str(tmp_path), "2", "--batch", "15")
     assert result.returncode != 0
-    assert (
-        "batch_size=15 is not allowed; expected a multiple of 2" in result.stderr
-        and "e.g. batch_size=16" in result.stderr
-    )
+    assert "own batch_size=15 is not allowed under 2 processes; expected a multiple of 2" in result.stderr
+    assert "hint: pass --batch-size 16 (batch_size=16), or the task's own option for it" in result.stderr
 
 
 def test_an_error_every_worker_meets_is_printed_once(tmp_path):
@@ -268,8 +266,10 @@ def test_an_error_every_worker_meets_is_printed_once(tmp_path):
         capture_output=True, text=True, timeout=180,
     )  # fmt: skip
     assert result.returncode == 2, result.stderr[-3000:]
-    assert result.stderr.count("--batch-size=15 is not allowed; expected a multiple of 2") == 1, result.stderr[-3000:]
-    assert "hint: e.g. --batch-size 16" in result.stderr
+    # named as the task's own (it said --batch-size=15, a flag never passed)
+    said = "task 'digits''s own batch_size=15 is not allowed under 2 processes; expected a multiple of 2"
+    assert result.stderr.count(said) == 1, result.stderr[-3000:]
+    assert "hint: pass --batch-size 16 (batch_size=16), or the task's own option for it" in result.stderr
     assert "the workers' errors are printed above, each once" in result.stderr
 
 
