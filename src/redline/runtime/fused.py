@@ -113,7 +113,7 @@ def timed_or_cached(optimizer: torch.optim.Optimizer, device: DeviceFacts) -> St
     """``time_fused``'s answer for ``optimizer`` on this machine: cached, or timed now and cached (a timing that could
     not be made is not: the next run tries again; nor one taken while the CPUs were busy, ``STALLED``: the fused
     kernel's threads wait for each other, so another process's load slows it most, to 0.01x the for-loop beside a
-    busy loop on a 2-core Xeon where it ran 2.9x quiet)."""
+    busy loop on a 2-core Xeon where it ran 3.0-3.4x quiet)."""
     key = cache_key(_fingerprint(optimizer), device, f"{TIMED_BYTES} bytes", f"method {METHOD}")
     cached = _read(key, of=_trained(optimizer))
     if cached is not None:
