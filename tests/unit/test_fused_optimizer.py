@@ -362,3 +362,63 @@ def test_a_trials_copies_take_the_first_builds_decision_even_where_no_timing_was
     factory = fused.as_the_run_steps(torch.optim.AdamW, model, CPU, sharded=False, deterministic=False)
     assert not any(factory(model.parameters()).defaults.get("fused") for _ in range(3))
     assert calls == [1]  # a copy's optimizer is built at every turn: the failed timing is not taken again each time
+
+
+def late_start_run(optimizer_factory, *, precision: str = "fp32") -> tuple[torch.Tensor, str]:
+    """Six steps of an MLP whose first layer is frozen until step 4 (the same optimizer): its weights, and the Plan's
+    optimizer row."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    model[0].requires_grad_(False)
+    batches = [(torch.randn(4, 8), torch.randn(4, 2)) for _ in range(6)]
+    with Runtime(RuntimeOptions(devices="cpu", precision=precision)) as rt:
+        model, optimizer = rt.setup(model, optimizer_factory)
+        for i, (x, y) in enumerate(batches):
+            if i == 3:  # unfrozen: its first gradient comes after the optimizer's first step
+                model[0].requires_grad_(True)
+            with rt.autocast():
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            rt.backward(loss)
+            rt.step(optimizer)
+        return model[0].weight.detach().clone(), rt.explain().optimizer.reason
+
+
+def test_a_fused_sgd_meeting_a_parameters_late_first_gradient_steps_as_given_from_there(monkeypatch, caplog):
+    """torch's fused SGD with momentum raised a bare TypeError where a layer was unfrozen mid-run (plain PyTorch's
+    for-loop SGD takes it): the Runtime had rebuilt it fused, unasked, where its timing said faster."""
+    counting_timer(monkeypatch)  # fused timed faster: the Runtime rebuilds the SGD fused
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    weights, reason = late_start_run(sgd)
+    assert reason.startswith("SGD: stepped as given from a step where a parameter got its first gradient after")
+    assert "pass fused=False to step it so from the start" in caplog.text
+    as_given, _ = late_start_run(lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=False))
+    torch.testing.assert_close(weights, as_given)  # the same numbers as the for-loop run from the start
+    asked, _ = late_start_run(lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True))
+    torch.testing.assert_close(asked, as_given)  # a fused SGD the user asked for is stepped so too, and says so
+
+
+def test_under_fp16_the_fallback_leaves_the_scaler_nothing_of_the_fused_step():
+    """fp16's scaler hands a fused step its scale on the optimizer: a step as given would read it and refuse."""
+    asked, reason = late_start_run(
+        lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True), precision="fp16-mixed"
+    )
+    as_given, _ = late_start_run(
+        lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=False), precision="fp16-mixed"
+    )
+    assert reason.startswith("SGD: stepped as given from a step")
+    torch.testing.assert_close(asked, as_given)
+
+
+def test_another_type_error_of_a_step_is_not_taken_for_a_late_gradient():
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, fused=True)
+
+    def broken() -> None:
+        raise TypeError("unsupported operand type(s)")
+
+    with pytest.raises(TypeError, match="unsupported operand"):
+        fused.step_unfusing(optimizer, broken)
+    assert optimizer.param_groups[0]["fused"] and fused.unfused(optimizer) is None

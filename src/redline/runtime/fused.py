@@ -19,9 +19,11 @@ must step alike.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import statistics
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -48,6 +50,7 @@ TIMED_BYTES = 8 << 20  # of parameters copied at most: 2M fp32 elements; with gr
 ROUNDS = 5
 LEAST_ROUND_S = 0.002  # each round steps each implementation for at least this long (a step may take microseconds)
 MOST_STEPS = 100  # steps per round at most
+log = logging.getLogger("redline")
 CACHED = "optimizer-steps"  # the cache's kind that keeps the timings
 METHOD = 1  # how the timing measures, in its cache key: a change to it leaves what the old way measured unread
 
@@ -126,6 +129,45 @@ def timed_or_cached(optimizer: torch.optim.Optimizer, device: DeviceFacts) -> St
     if isinstance(timed, StepTiming):
         write_cache(CACHED, key, [timed.given_s, timed.fused_s, timed.timed, timed.of])
     return timed
+
+
+# What torch's fused SGD raises where a parameter has no momentum buffer beside others that have one (its first
+# gradient came after the optimizer's first step: a layer unfrozen later, a branch a step used first); the for-loop
+# and foreach steps take it, as they build each buffer at the parameter's first gradient.
+LATE_BUFFER = "expected Tensor as element"
+_UNFUSED: weakref.WeakKeyDictionary[torch.optim.Optimizer, str] = weakref.WeakKeyDictionary()
+
+
+def step_unfusing(optimizer: torch.optim.Optimizer, step: Callable[[], object]) -> None:
+    """Run ``step`` (``optimizer``'s, or the grad scaler's of it). Where torch's fused SGD with momentum refuses a
+    parameter that got its first gradient after the optimizer's first step, nothing was stepped: the optimizer steps
+    as given from here on (its momentum buffers serve both), said once and kept for the Plan (``unfused``), and the
+    step runs again."""
+    try:
+        step()
+    except TypeError as exc:
+        groups = optimizer.param_groups
+        late = isinstance(optimizer, torch.optim.SGD) and LATE_BUFFER in str(exc)
+        if not late or not any(g.get("fused") and g.get("momentum") for g in groups):
+            raise
+        for group in groups:
+            group["fused"] = False
+        optimizer.defaults["fused"] = False
+        optimizer._step_supports_amp_scaling = False  # type: ignore[attr-defined]  # the scaler unscales, as for SGD
+        for handed in ("grad_scale", "found_inf"):  # what fp16's scaler hands a fused step, left by the failed one
+            optimizer.__dict__.pop(handed, None)
+        _UNFUSED[optimizer] = (
+            f"{type(optimizer).__name__}: stepped as given from a step where a parameter got its first gradient after "
+            "the optimizer's first step (a layer unfrozen, a branch used late), which torch's fused SGD with momentum "
+            "cannot take"
+        )
+        log.warning("%s; pass fused=False to step it so from the start", _UNFUSED[optimizer])
+        step()
+
+
+def unfused(optimizer: torch.optim.Optimizer | None) -> str | None:
+    """Why ``optimizer``, fused at setup, steps as given since (``step_unfusing``); None where it does not."""
+    return _UNFUSED.get(optimizer) if optimizer is not None else None
 
 
 def _fingerprint(optimizer: torch.optim.Optimizer) -> str:

@@ -16,13 +16,14 @@ import contextlib
 import weakref
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from redline.errors import ConfigError
 from redline.plan import Choice
 from redline.plan.precision import PrecisionName
+from redline.runtime.fused import step_unfusing
 from redline.runtime.weak_hook import WeakHook
 
 AUTOCAST_DTYPES = {"bf16-mixed": torch.bfloat16, "fp16-mixed": torch.float16}
@@ -73,7 +74,7 @@ class Precision:
         if self.scaler is None:
             if clip is not None:
                 clip(optimizer)
-            optimizer.step()
+            step_unfusing(optimizer, optimizer.step)
             return
         if id(optimizer) in self._stepped:  # stepped again without a backward between: a new round
             self._update()
@@ -85,7 +86,7 @@ class Precision:
             if clip is not None:
                 self.unscale(optimizer)
                 clip(optimizer)
-            self.scaler.step(optimizer)
+            step_unfusing(optimizer, lambda: cast(torch.amp.GradScaler, self.scaler).step(optimizer))
         finally:
             self._stepping = False
             self._unscaled.discard(id(optimizer))

@@ -48,7 +48,7 @@ from redline.runtime.compile import CompileRecord, compile_counts, compile_plann
 from redline.runtime.compile_check import CompileCheck
 from redline.runtime.cycle import Cycle, hang_watchdog
 from redline.runtime.forms import check_forms, explain_forms
-from redline.runtime.fused import pick_implementation
+from redline.runtime.fused import pick_implementation, unfused
 from redline.runtime.graphs import GraphRecord, setup_graphs
 from redline.runtime.kernel_check import KernelCheck
 from redline.runtime.layout import Layout
@@ -82,12 +82,11 @@ _UNEVEN = (
 class Runtime(RunState):
     """Accelerate a plain PyTorch loop: device, precision, compile, layout, optimizer, loading and checkpoints.
 
-    Pass a ``RuntimeOptions`` or its fields as keywords (``Runtime(precision="bf16-mixed")``).
-    ``planned_steps`` tells the compile decision how long the run is; without it, "auto" does not
-    compile, since a compile that never repays itself would make the run slower. ``measured`` holds
-    choices a trial of the user's model made for "auto" axes (``{"precision": Choice(...)}``, from
-    ``runtime.trial``); they replace the rule of thumb's. Under ``redline launch --hang-timeout S`` the
-    Runtime watches for a rank that stops progressing (``watch_hangs=False``: a caller that watches its own).
+    Pass a ``RuntimeOptions`` or its fields as keywords (``Runtime(precision="bf16-mixed")``). ``planned_steps`` tells
+    the compile decision how long the run is; without it, "auto" does not compile, since a compile that never repays
+    itself would make the run slower. ``measured`` holds choices a trial of the user's model made for "auto" axes
+    (``{"precision": Choice(...)}``, from ``runtime.trial``); they replace the rule of thumb's. Under ``redline launch
+    --hang-timeout S`` it watches for a rank that stops progressing (``watch_hangs=False``: a caller watches its own).
     """
 
     def __init__(
@@ -223,9 +222,9 @@ class Runtime(RunState):
     def setup(self, model: nn.Module, optimizer: OptimizerLike) -> tuple[nn.Module, torch.optim.Optimizer]:
         """Place ``model`` on the device, wrap it for the strategy, build or rebuild the optimizer, compile if planned.
 
-        ``optimizer`` is an instance built on ``model``'s parameters, or a factory params -> Optimizer.
-        The model is changed in place and returned; keep using the returned optimizer. Setting the same
-        model up again (a second phase with other layers unfrozen) gives it that optimizer for checkpoints.
+        ``optimizer`` is an instance built on ``model``'s parameters, or a factory params -> Optimizer. The model is
+        changed in place and returned; keep using the returned optimizer. Setting the same model up again (a second
+        phase with other layers unfrozen) gives it that optimizer for checkpoints.
         """
         if not isinstance(model, nn.Module):
             raise invalid("model", type(model).__name__, "a torch.nn.Module")
@@ -369,9 +368,9 @@ class Runtime(RunState):
         """Run ``step_fn(batch)`` (the batch's loss, under autocast) and back-propagate it; return the loss, detached.
 
         Its loss is divided by ``grad_accum``, as ``backward``'s; call ``step(optimizer)`` after it. With
-        ``micro_batch`` N, the batch runs as micro-batches of N samples (its first axis split) whose
-        gradients accumulate; with "auto" it runs whole until the device runs out of memory, then is
-        done again in halves (runtime/micro.py). ``oom_events`` lists each recovery.
+        ``micro_batch`` N, the batch runs as micro-batches of N samples (its first axis split) whose gradients
+        accumulate; with "auto" it runs whole until the device runs out of memory, then is done again in halves
+        (runtime/micro.py). ``oom_events`` lists each recovery.
         """
         strategy, _, _ = self._prepared(models=False)
         if not callable(step_fn) or call_refused(step_fn, 1):  # called later, its TypeError would be redline's
@@ -402,12 +401,11 @@ class Runtime(RunState):
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step ``optimizer`` once every ``grad_accum`` calls: unscale, clip, step, free the gradients.
 
-        The gradients are freed (set to None) right after the step on CUDA, and on other devices
-        just before the next ``backward`` (the Plan's ``zero_grad`` axis says which, and why). That
-        backward starts every set-up model without gradients, as a plain loop's ``zero_grad()`` on each
-        optimizer: a GAN's generator loss leaves none on the discriminator for its next step.
-        Returns whether this call reached an optimizer step. With fp16, the scaler may still skip a
-        step whose gradients overflowed; that is the normal start of loss scaling.
+        The gradients are freed (set to None) right after the step on CUDA, and on other devices just before the next
+        ``backward`` (the Plan's ``zero_grad`` axis says which, and why). That backward starts every set-up model
+        without gradients, as a plain loop's ``zero_grad()`` on each optimizer: a GAN's generator loss leaves none on
+        the discriminator for its next step. Returns whether this call reached an optimizer step. With fp16, the
+        scaler may still skip a step whose gradients overflowed; that is the normal start of loss scaling.
         """
         if not self._cycle.due(optimizer):
             return False
@@ -469,6 +467,8 @@ class Runtime(RunState):
         plan = explain_forms(self._plan, self._compile_check, self._compile_records, self._graphs, self._kernels)
         if self._layout.changed:  # since setup: the precision check's switch, or a forward that failed in NHWC
             plan = dataclasses.replace(plan, channels_last=self._layout.shown)
+        if (note := unfused(self.optimizer)) is not None:  # fused SGD met a parameter's late first gradient
+            plan = dataclasses.replace(plan, optimizer=Choice("as given", note))
         return plan
 
     def _check_forms(
