@@ -469,6 +469,12 @@ def test_a_dataset_given_to_setup_loader_is_refused_with_the_wrapping_and_a_stre
     with pytest.raises(ConfigError, match=r"(?s)'TensorDataset'.*hint: wrap it: rt\.setup_loader\(DataLoader\(dataset"):
         rt.setup_loader(tensor_data())
     assert len(list(rt.setup_loader(Counting()))) == len(list(Counting()))  # an iterable dataset may yield batches
+    # a tensor iterates its rows, one sample each, and a number nothing: it said TypeError: 'int' object is not iterable
+    for given, kind in ((torch.randn(64, 8), "'Tensor'"), (5, "'int'")):
+        with pytest.raises(ConfigError) as refused:
+            rt.setup_loader(given)
+        assert str(refused.value).startswith(f"setup_loader(loader)={kind} is not allowed; expected a DataLoader")
+        assert "hint: wrap tensors: rt.setup_loader(DataLoader(TensorDataset(x, y), batch_size=64" in str(refused.value)
 
 
 class Unsplit(IterableDataset):

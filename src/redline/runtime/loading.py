@@ -42,6 +42,13 @@ def loader_facts(loader: Iterable[Any], local_devices: int = 1) -> LoaderFacts:
             "a DataLoader or another iterable of batches; a dataset gives its samples one at a time, unbatched",
             "wrap it: rt.setup_loader(DataLoader(dataset, batch_size=64, shuffle=True))",
         )
+    if isinstance(loader, torch.Tensor) or not isinstance(loader, Iterable):  # a tensor iterates its rows, unbatched
+        raise invalid(
+            "setup_loader(loader)",
+            type(loader).__name__,
+            "a DataLoader or another iterable of batches (a list of (inputs, targets) pairs, a generator)",
+            "wrap tensors: rt.setup_loader(DataLoader(TensorDataset(x, y), batch_size=64, shuffle=True))",
+        )
     if not isinstance(loader, DataLoader):
         return LoaderFacts(is_dataloader=False, map_style=False, in_memory=False, num_workers=0, pin_memory=False)
     dataset = loader.dataset
