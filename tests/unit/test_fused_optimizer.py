@@ -364,12 +364,15 @@ def test_a_trials_copies_take_the_first_builds_decision_even_where_no_timing_was
     assert calls == [1]  # a copy's optimizer is built at every turn: the failed timing is not taken again each time
 
 
-def late_start_run(optimizer_factory, *, precision: str = "fp32") -> tuple[torch.Tensor, str]:
-    """Six steps of an MLP whose first layer is frozen until step 4 (the same optimizer): its weights, and the Plan's
-    optimizer row."""
+def late_start_run(
+    optimizer_factory, *, precision: str = "fp32", bias_trains: bool = False
+) -> tuple[torch.Tensor, str]:
+    """Six steps of an MLP whose first layer (its weight alone, with ``bias_trains``) is frozen until step 4 (the same
+    optimizer): its weights, and the Plan's optimizer row."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
     model[0].requires_grad_(False)
+    model[0].bias.requires_grad_(bias_trains)
     batches = [(torch.randn(4, 8), torch.randn(4, 2)) for _ in range(6)]
     with Runtime(RuntimeOptions(devices="cpu", precision=precision)) as rt:
         model, optimizer = rt.setup(model, optimizer_factory)
@@ -380,7 +383,8 @@ def late_start_run(optimizer_factory, *, precision: str = "fp32") -> tuple[torch
                 loss = nn.functional.mse_loss(model(x).float(), y)
             rt.backward(loss)
             rt.step(optimizer)
-        return model[0].weight.detach().clone(), rt.explain().optimizer.reason
+        weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+        return weights, rt.explain().optimizer.reason
 
 
 def test_a_fused_sgd_meeting_a_parameters_late_first_gradient_steps_as_given_from_there(monkeypatch, caplog):
@@ -422,3 +426,56 @@ def test_another_type_error_of_a_step_is_not_taken_for_a_late_gradient():
     with pytest.raises(TypeError, match="unsupported operand"):
         fused.step_unfusing(optimizer, broken)
     assert optimizer.param_groups[0]["fused"] and fused.unfused(optimizer) is None
+
+
+def test_a_late_gradient_in_a_later_group_leaves_the_groups_before_it_stepped_once(monkeypatch):
+    """Caught after torch's refusal, a fallback stepped again the groups the fused kernel had stepped before it: a head
+    group, then a backbone group whose bias trains and whose weight is unfrozen later."""
+
+    def grouped(fused: bool | None):
+        def build(params):
+            params = list(params)  # the first layer's weight and bias, then the head's
+            groups = [{"params": params[2:]}, {"params": params[:2]}]
+            return torch.optim.SGD(groups, lr=0.1, momentum=0.9, **({} if fused is None else {"fused": fused}))
+
+        return build
+
+    asked, reason = late_start_run(grouped(True), bias_trains=True)
+    as_given, _ = late_start_run(grouped(False), bias_trains=True)
+    assert reason.startswith("SGD: stepped as given from a step")
+    torch.testing.assert_close(asked, as_given)
+
+
+def test_a_checkpoint_saved_after_the_fallback_loads_into_a_fused_optimizer_that_steps_under_fp16(tmp_path):
+    """torch's load copied the saved fused=False into the new fused SGD's groups, which then stepped as given while
+    fp16's scaler handed them a fused step's scale: AssertionError at the first step after the resume."""
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    model[0].requires_grad_(False)
+    x, y = torch.randn(4, 8), torch.randn(4, 2)
+
+    def steps(rt, model, optimizer, count):
+        for _ in range(count):
+            with rt.autocast():
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            rt.backward(loss)
+            rt.step(optimizer)
+
+    with Runtime(RuntimeOptions(devices="cpu", precision="fp16-mixed")) as rt:
+        model, optimizer = rt.setup(model, sgd)
+        steps(rt, model, optimizer, 2)
+        model[0].requires_grad_(True)
+        steps(rt, model, optimizer, 2)  # the fallback
+        assert not optimizer.param_groups[0]["fused"]
+        rt.save(tmp_path / "step-00000004", step=4)
+    torch.manual_seed(0)
+    again = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2))
+    with Runtime(RuntimeOptions(devices="cpu", precision="fp16-mixed")) as rt:
+        again, resumed = rt.setup(again, sgd)
+        rt.load(tmp_path / "step-00000004")
+        assert resumed.param_groups[0]["fused"]  # this run's implementation, not the checkpoint's
+        steps(rt, again, resumed, 2)  # every parameter has its buffer: the fused kernel takes them

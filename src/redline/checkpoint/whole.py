@@ -123,7 +123,22 @@ def load_model_and_optimizer(checkpoint: Checkpoint, module: nn.Module, optimize
     saved = read_optimizer(checkpoint, _device_of(module))
     check_same_optimizer(checkpoint.path, saved, optimizer)  # before the weights change
     _load_checked(checkpoint, module)
-    optimizer.load_state_dict(saved)
+    optimizer.load_state_dict(run_as_this_run(saved, optimizer))
+
+
+# How an optimizer runs, not what it learnt: this run's choice (its Plan's), never the checkpoint's
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+
+
+def run_as_this_run(saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``saved``, an optimizer state, with each group's implementation keys (``IMPLEMENTATION_KEYS``) those of
+    ``optimizer``'s live groups: torch's load would copy the saved ones in, and a fused optimizer given a saved
+    ``fused: False`` (a run that stepped as given) steps as given while fp16's scaler hands it a fused step's scale."""
+    groups = [
+        {**group, **{key: live[key] for key in IMPLEMENTATION_KEYS if key in live}}
+        for group, live in zip(saved["param_groups"], optimizer.param_groups, strict=False)
+    ]
+    return {**saved, "param_groups": groups}
 
 
 def _load_checked(checkpoint: Checkpoint, module: nn.Module) -> None:

@@ -131,38 +131,47 @@ def timed_or_cached(optimizer: torch.optim.Optimizer, device: DeviceFacts) -> St
     return timed
 
 
-# What torch's fused SGD raises where a parameter has no momentum buffer beside others that have one (its first
-# gradient came after the optimizer's first step: a layer unfrozen later, a branch a step used first); the for-loop
-# and foreach steps take it, as they build each buffer at the parameter's first gradient.
-LATE_BUFFER = "expected Tensor as element"
+# torch's fused SGD with momentum refuses a group where some parameters with a gradient have a momentum buffer and some
+# not (one's first gradient came after the optimizer's first step: a layer unfrozen later, a branch a step used
+# first): TypeError "expected Tensor as element 0 in argument 2". The for-loop and foreach steps take it, as they build
+# each buffer at the parameter's first gradient.
 _UNFUSED: weakref.WeakKeyDictionary[torch.optim.Optimizer, str] = weakref.WeakKeyDictionary()
 
 
 def step_unfusing(optimizer: torch.optim.Optimizer, step: Callable[[], object]) -> None:
-    """Run ``step`` (``optimizer``'s, or the grad scaler's of it). Where torch's fused SGD with momentum refuses a
-    parameter that got its first gradient after the optimizer's first step, nothing was stepped: the optimizer steps
-    as given from here on (its momentum buffers serve both), said once and kept for the Plan (``unfused``), and the
-    step runs again."""
-    try:
-        step()
-    except TypeError as exc:
-        groups = optimizer.param_groups
-        late = isinstance(optimizer, torch.optim.SGD) and LATE_BUFFER in str(exc)
-        if not late or not any(g.get("fused") and g.get("momentum") for g in groups):
-            raise
-        for group in groups:
+    """Run ``step`` (``optimizer``'s, or the grad scaler's of it). Before it, where a fused SGD with momentum would
+    refuse a parameter that got its first gradient after the optimizer's first step, the optimizer is set to step as
+    given from here on (its momentum buffers serve both), said once and kept for the Plan (``unfused``). The check
+    costs nothing once every parameter has a buffer, and a pass over the parameters while some have none."""
+    if _late_buffer(optimizer):
+        for group in optimizer.param_groups:
             group["fused"] = False
         optimizer.defaults["fused"] = False
         optimizer._step_supports_amp_scaling = False  # type: ignore[attr-defined]  # the scaler unscales, as for SGD
-        for handed in ("grad_scale", "found_inf"):  # what fp16's scaler hands a fused step, left by the failed one
-            optimizer.__dict__.pop(handed, None)
         _UNFUSED[optimizer] = (
             f"{type(optimizer).__name__}: stepped as given from a step where a parameter got its first gradient after "
             "the optimizer's first step (a layer unfrozen, a branch used late), which torch's fused SGD with momentum "
             "cannot take"
         )
         log.warning("%s; pass fused=False to step it so from the start", _UNFUSED[optimizer])
-        step()
+    step()
+
+
+def _late_buffer(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether a fused SGD group with momentum holds parameters with a gradient both with and without a buffer."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return False
+    groups = [group for group in optimizer.param_groups if group.get("fused") and group.get("momentum")]
+    state = optimizer.state
+    if not groups or len(state) >= sum(len(group["params"]) for group in optimizer.param_groups):
+        return False  # every parameter has had its first step: each has its buffer
+    for group in groups:
+        held = {
+            p in state and state[p].get("momentum_buffer") is not None for p in group["params"] if p.grad is not None
+        }
+        if held == {True, False}:
+            return True
+    return False
 
 
 def unfused(optimizer: torch.optim.Optimizer | None) -> str | None:

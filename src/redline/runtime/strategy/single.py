@@ -61,7 +61,7 @@ class SingleDevice:
             )
         whole.check_same_optimizer(STATE, state["optimizer"], optimizer, holder="the state")
         into.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        optimizer.load_state_dict(whole.run_as_this_run(state["optimizer"], optimizer))
 
     def save(
         self, path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, *, runtime_state: dict[str, Any],
