@@ -469,6 +469,14 @@ def test_a_dataset_given_to_setup_loader_is_refused_with_the_wrapping_and_a_stre
     with pytest.raises(ConfigError, match=r"(?s)'TensorDataset'.*hint: wrap it: rt\.setup_loader\(DataLoader\(dataset"):
         rt.setup_loader(tensor_data())
     assert len(list(rt.setup_loader(Counting()))) == len(list(Counting()))  # an iterable dataset may yield batches
+
+    class Indexed:  # iterable by the old protocol (__getitem__ until IndexError), as iter() takes it
+        def __getitem__(self, i):
+            if i >= 2:
+                raise IndexError(i)
+            return torch.ones(2, 3), torch.zeros(2)
+
+    assert len(list(rt.setup_loader(Indexed()))) == 2
     # a tensor iterates its rows, one sample each, and a number nothing: it said TypeError: 'int' object is not iterable
     for given, kind in ((torch.randn(64, 8), "'Tensor'"), (5, "'int'")):
         with pytest.raises(ConfigError) as refused:

@@ -44,3 +44,16 @@ def test_a_loss_of_matching_shapes_is_checked_once_then_called_plainly():
             task_loss(mse, outputs, torch.randn(8, 1))
     with pytest.raises(TaskError, match=r"returned a tensor of shape \(8, 3\); expected a scalar"):
         task_loss(lambda o, t: nn.functional.mse_loss(o, t, reduction="none"), outputs, targets)  # check_loss's
+
+
+def test_another_warning_a_callers_filter_made_an_error_passes_as_it_is():
+    outputs, targets = torch.randn(4, 1, requires_grad=True), torch.randn(4, 1)
+
+    def warns(o, t):
+        warnings.warn("a deprecation of the user's own", UserWarning, stacklevel=1)
+        return nn.functional.mse_loss(o, t)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # as `python -W error` or pytest's -W error make every warning
+        with pytest.raises(UserWarning, match="a deprecation of the user's own"):
+            task_loss(warns, outputs, targets)  # not said to be a broadcast of shapes that match

@@ -42,7 +42,8 @@ def loader_facts(loader: Iterable[Any], local_devices: int = 1) -> LoaderFacts:
             "a DataLoader or another iterable of batches; a dataset gives its samples one at a time, unbatched",
             "wrap it: rt.setup_loader(DataLoader(dataset, batch_size=64, shuffle=True))",
         )
-    if isinstance(loader, torch.Tensor) or not isinstance(loader, Iterable):  # a tensor iterates its rows, unbatched
+    iterable = isinstance(loader, Iterable) or hasattr(type(loader), "__getitem__")  # iter() takes either
+    if isinstance(loader, torch.Tensor) or not iterable:  # a tensor iterates its rows, unbatched
         raise invalid(
             "setup_loader(loader)",
             type(loader).__name__,

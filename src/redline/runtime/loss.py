@@ -4,6 +4,7 @@ function's first call checked for targets it broadcast against outputs of anothe
 from __future__ import annotations
 
 import contextlib
+import re
 import warnings
 import weakref
 from collections.abc import Callable
@@ -71,6 +72,8 @@ def task_loss(loss_fn: Callable[..., Any], outputs: Any, targets: Any) -> torch.
         try:
             loss = loss_fn(outputs, targets)
         except UserWarning as exc:
+            if not re.search(BROADCAST, str(exc)):  # another warning a filter of the caller's made an error
+                raise
             raise TaskError(
                 f"task.loss_fn(outputs, targets) broadcast targets {_shape(targets)} against outputs {_shape(outputs)}"
                 f", which gives a wrong loss (torch: {str(exc).split('. ')[0]})\nhint: make them one "
