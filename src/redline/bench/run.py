@@ -133,9 +133,7 @@ def benchmark(
             planned = planned_steps or task_steps(task, size)
             try:  # a Ctrl-C keeps the batch sizes finished: the command line shows them, then exits 130
                 compiling = {s.device for s in group if s.compile is not False}  # auto's rows may compile too
-                if (
-                    compiling and origin is None
-                ):  # each compile is timed as a fresh run's, not served from an earlier graph
+                if compiling and origin is None:  # each compile timed as a fresh run's, not from an earlier graph
                     reset_compiler(compiling)
                 warming = functools.partial(lambda start, index, what: tell(start + index, total, what), done)
                 with contextlib.ExitStack() as processes:  # each row's own, under isolate: ended with the batch size

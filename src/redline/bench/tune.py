@@ -157,11 +157,9 @@ def tune(
             try:
                 measured = _measure(task, device, candidates, planned, steps, window, seed, left)
                 noted.raise_lost()  # one raised in a weakref callback or __del__, which Python dropped
-            except (
-                KeyboardInterrupt
-            ) as exc:  # keep what the axes before it measured, to show and cache (also on SIGTERM,
-                noted.caught()
-                interrupted, signum = axis, interrupting_signal(exc)  # where the command line takes it as a Ctrl-C)
+            except KeyboardInterrupt as exc:  # keep what the axes before it measured, to show and cache (also on
+                noted.caught()  # SIGTERM, where the command line takes it as a Ctrl-C)
+                interrupted, signum = axis, interrupting_signal(exc)
                 unmeasured.append(axis)
                 reasons[axis] = f"not measured: the search was interrupted ({signal.Signals(signum).name}); {LEFT}"
                 continue

@@ -126,7 +126,8 @@ def load_model_and_optimizer(checkpoint: Checkpoint, module: nn.Module, optimize
     optimizer.load_state_dict(run_as_this_run(saved, optimizer))
 
 
-# How an optimizer runs, not what it learnt: this run's choice (its Plan's), never the checkpoint's
+# How an optimizer runs, not what it learnt: this run's choice (its Plan's), never the checkpoint's (parallel/fsdp.py
+# keeps the same keys for its own loads: the parallel package may not import this one)
 IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
 
 

@@ -32,6 +32,12 @@ ROOM = 0.8
 STALLED = 0.2
 
 
+def stalled(share: float | None) -> bool:
+    """Whether a measurement whose tasks waited for a CPU ``share`` of its time (``Stalls``) was taken on a busy
+    machine; one not known (None) is taken as quiet."""
+    return share is not None and share >= STALLED
+
+
 @dataclass(frozen=True)
 class CpuTimes:
     """The kernel's counts at one moment: ticks the process's CPUs spent busy (every process's), the process's own."""

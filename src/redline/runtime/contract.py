@@ -189,7 +189,9 @@ def one_sample_refusal(exc: BaseException) -> BaseException | None:
 
 
 @wrapping_errors
-def user_code(where: str, inputs: Any, targets: Any, *, metric: bool = False, data: str = "") -> Iterator[Forward]:
+def user_code(
+    where: str, inputs: Any, targets: Any, *, metric: bool = False, data: str = "the dataset"
+) -> Iterator[Forward]:
     """Turn an exception from the model, loss or metric into a TrainingError that shows the user's line.
 
     ``metric`` says the code inside is ``task.metric``, and ``inputs`` are then the model's outputs; ``data`` names the
@@ -230,7 +232,7 @@ def user_code(where: str, inputs: Any, targets: Any, *, metric: bool = False, da
         elif one_sample_refusal(exc):
             culprit, hint, found = "the model", ONE_SAMPLE_HINT, "; the line above is the layer's call"
         else:
-            hint, found = _failure_hint(exc, first, inputs, data or "the dataset")
+            hint, found = _failure_hint(exc, first, inputs, data)
         if line:
             hint += f"{found} (REDLINE_TRACEBACK=1 prints the whole traceback; in Python it is the error's __cause__)"
         raise TrainingError(
@@ -263,10 +265,10 @@ def _failure_hint(exc: Exception, first: str, inputs: Any, data: str) -> tuple[s
             ".long() for cross_entropy, targets .float() for mse_loss or binary_cross_entropy"
         )
         return hint, "; if they fit, the line above is where your code failed"
-    hint = f"check that {data}'s items are (inputs, targets) shaped as the model expects"
-    if data == "val_data":  # the steps ran on train_data's: the two differ
-        hint = "check that val_data's items are (inputs, targets) shaped as train_data's, on which the steps ran"
-    return hint, "; if they are, the line above is where your code failed"
+    shaped = "train_data's, on which the steps ran" if data == "val_data" else "the model expects"
+    return f"check that {data}'s items are (inputs, targets) shaped as {shaped}", (
+        "; if they are, the line above is where your code failed"
+    )
 
 
 # DDP's reducer at the forward after a backward that left a parameter without a gradient; its next lines name them

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from redline.hardware.contention import STALLED, Stalls
+from redline.hardware.contention import Stalls, stalled
 from redline.hardware.device import DeviceFacts
 from redline.parallel.collectives import run_on_rank0
 from redline.plan import Choice
@@ -124,7 +124,7 @@ def timed_or_cached(optimizer: torch.optim.Optimizer, device: DeviceFacts) -> St
     stalls = Stalls().start()
     timed = time_fused(optimizer)
     waited = stalls.stop()
-    if isinstance(timed, StepTiming) and waited is not None and waited >= STALLED:
+    if isinstance(timed, StepTiming) and stalled(waited):
         return dataclasses.replace(timed, busy=waited)
     if isinstance(timed, StepTiming):
         write_cache(CACHED, key, [timed.given_s, timed.fused_s, timed.timed, timed.of])

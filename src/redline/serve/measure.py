@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from redline.errors import describe_error
-from redline.hardware.contention import STALLED, Stalls
+from redline.hardware.contention import Stalls, stalled
 from redline.hardware.device import DeviceFacts
 from redline.plan.inference import Setting, Timing
 from redline.runtime.cache import cache_key, read_cache, write_cache
@@ -185,9 +185,9 @@ def store_capture_failure(key: str, reason: str) -> None:
 
 def store_unless_busy(key: str, timings: Mapping[int, Sequence[Timing]], waited: float | None) -> str:
     """Cache ``timings`` under ``key`` unless tasks waited for a CPU a ``STALLED`` share of their timing or more
-    (``Stalls``: another process's load, which slows a parallel kernel most, bf16 and compiled ones among them, so a
+    (``stalled``: another process's load, which slows a parallel kernel most, bf16 and compiled ones among them, so a
     busy verdict is this start's alone); say which, for the Plan."""
-    if waited is not None and waited >= STALLED:
+    if stalled(waited):
         return f"measured now, while the CPUs were busy (tasks waited for one {waited:.0%} of the time), so not cached"
     store_measured(key, timings)
     return "measured now"

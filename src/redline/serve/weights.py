@@ -81,8 +81,13 @@ def _went_past(run: Path) -> tuple[int, Checkpoint] | None:
         ended = json.loads((run / SUMMARY).read_text(encoding="utf-8"))["steps"]
     except (OSError, ValueError, KeyError, TypeError):  # no summary to tell the weights' step by: taken as they are
         return None
-    kept = [c for c in find_checkpoints(run / "checkpoints") if c.sharded or (c.path / WEIGHTS).is_file()]
+    kept = _loadable(run / "checkpoints")
     return (ended, kept[-1]) if isinstance(ended, int) and kept and kept[-1].step > ended else None
+
+
+def _loadable(root: Path) -> list[Checkpoint]:
+    """The checkpoints under ``root`` that --weights can load, oldest first: a sharded one, or one with its weights."""
+    return [c for c in find_checkpoints(root) if c.sharded or (c.path / WEIGHTS).is_file()]
 
 
 def _load_file(model: nn.Module, path: Path) -> None:
@@ -213,15 +218,15 @@ def _run_hint(run: Path) -> str:
     if _is_sharded(run):  # a file asked of a sharded checkpoint, which holds no model.safetensors
         return f"hint: {run} is a sharded (FSDP) checkpoint, without a {WEIGHTS}: pass it itself: --weights {run}"
     for root, out in ((run / "checkpoints", run), (run, run.parent)):  # the run's --out, or its checkpoints directory
-        kept = [c for c in find_checkpoints(root) if c.sharded or (c.path / WEIGHTS).is_file()]
+        kept = _loadable(root)
         if not kept:
             continue
         newest = f"its newest checkpoint holds those of step {kept[-1].step}: --weights {_weights_arg(kept[-1])}"
-        if (out / WEIGHTS).is_file() and _went_past(out) is None:  # a finished run's
+        if not (out / WEIGHTS).is_file():
+            return f"hint: the run stopped before writing its final weights; {newest}"
+        if _went_past(out) is None:  # a finished run's
             return f"hint: the run's final weights: --weights {out} ({newest})"
-        if (out / WEIGHTS).is_file():
-            return f"hint: {newest} (the run's final weights, of an earlier step, are {out / WEIGHTS})"
-        return f"hint: the run stopped before writing its final weights; {newest}"
+        return f"hint: {newest} (the run's final weights, of an earlier step, are {out / WEIGHTS})"
     return WEIGHTS_HINT
 
 
