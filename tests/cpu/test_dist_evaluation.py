@@ -25,7 +25,8 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[int, dict]:
 def test_every_rank_runs_as_many_evaluation_forwards_on_shards_of_unequal_length(ranks):
     # 9 samples in batches of 4 a rank: rank 0's 4 are one batch, rank 1's 5 two; rank 0 pads once an evaluation
     counts = {rank: len(found["eval_sizes"]) for rank, found in ranks.items()}
-    assert counts[0] == counts[1] == 2 * 3  # the evaluations at steps 2 and 4 (the last), and evaluate()
+    # the evaluations at steps 2 and 4 (the last), and evaluate(); and val_data's first batch after step 1
+    assert counts[0] == counts[1] == 2 * 3 + 1
     # a rank with no sample at all (1 of them over 2 ranks) runs a forward with the other
     assert ranks[0]["one_sample_forwards"] == ranks[1]["one_sample_forwards"] == 1
     # a stream of 5 in batches of 2: rank 0's 3 samples are two batches, rank 1's 2 one, and rank 1 pads once

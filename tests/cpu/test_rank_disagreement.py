@@ -43,7 +43,9 @@ def test_a_rank_left_in_the_evaluation_by_one_that_failed_says_another_stopped_f
     result = train_two_ranks("eval_fails", "--max-steps", "4", "--eval-every", "2")
     assert result.returncode == 2, result.stderr[-3000:]
     assert "rank 1 fails evaluating" in result.stderr  # rank 1's own error, then rank 0's:
-    assert "evaluation at step 2: a collective with the other ranks failed" in result.stderr, result.stderr[-3000:]
+    # met in val_data's first batch, checked after step 1, before the evaluation of step 2
+    said = "val_data's first batch, after step 1: a collective with the other ranks failed"
+    assert said in result.stderr, result.stderr[-3000:]
     assert "hint: another rank stopped first" in result.stderr
     assert "Traceback" not in result.stderr and "GLHF" not in result.stderr
 
@@ -64,7 +66,8 @@ def broken(*args, **kwargs):
 @pytest.mark.parametrize(
     ("where", "said"),
     [
-        ("evaluation", "evaluation at step 2: a collective with the other ranks failed"),  # the sums' all-reduce
+        # the sums' all-reduce, first met in val_data's first batch, checked after step 1
+        ("evaluation", "val_data's first batch, after step 1: a collective with the other ranks failed"),
         ("log window", "after step 2: a collective with the other ranks failed"),  # the losses' all-reduce
     ],
 )

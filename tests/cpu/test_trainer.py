@@ -335,7 +335,10 @@ def test_an_op_without_a_kernel_for_the_reduced_precision_is_told_to_run_in_anot
 def test_a_val_data_the_model_refuses_is_named_in_the_hint_not_the_dataset_the_steps_ran_on():
     gen = torch.Generator().manual_seed(0)
     narrower = TensorDataset(torch.randn(16, 3, generator=gen), torch.randint(0, 2, (16,), generator=gen))
-    with pytest.raises(TrainingError, match=r"evaluation at step 2: the model or loss raised RuntimeError") as err:
+    # found after the first step, in val_data's first batch: not at the evaluation of step 2
+    with pytest.raises(
+        TrainingError, match=r"val_data's first batch, after step 1: the model or loss raised Runt"
+    ) as err:
         quiet(tiny_task(val_data=narrower), max_steps=2, eval_every=2, trial="off").fit()
     assert (
         "\nhint: check that val_data's items are (inputs, targets) shaped as train_data's, on which the steps ran"

@@ -188,7 +188,7 @@ def test_predict_names_the_users_line_when_the_model_raises_and_takes_items_of_s
 
 
 class OutOfMemoryInEval(nn.Module):
-    """Trains, then runs out of memory in its first evaluation (as a model whose validation samples are larger)."""
+    """Trains, then runs out of memory in its evaluations (as a model whose validation samples are larger)."""
 
     def __init__(self):
         super().__init__()
@@ -211,9 +211,9 @@ def test_an_out_of_memory_in_evaluation_is_an_error_that_says_so_not_torchs_trac
     with pytest.raises(OutOfMemory) as failed, Trainer(task, config) as trainer:
         trainer.fit()
     message = str(failed.value)
-    assert message.startswith("evaluation at step 2: the device ran out of memory: ")
+    assert message.startswith("val_data's first batch, after step 1: the device ran out of memory: "), "not at step 2"
     assert "evaluation runs val_data in batches of 8 without gradients" in message
-    assert "--micro-batch does not split evaluation" in message and "step-00000002" in message, "the steps are kept"
+    assert "--micro-batch does not split evaluation" in message and "step-00000001" in message, "the steps are kept"
     assert message.endswith("then run the same command with --resume auto (in Python: resume='auto')"), (
         "micro-batches split no evaluation"
     )

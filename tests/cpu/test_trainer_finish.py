@@ -44,7 +44,8 @@ def ctrl_c_task(*at_calls: int, then: threading.Event | None = None) -> redline.
 
 
 def trainer(task: redline.Task, out, **kwargs) -> Trainer:
-    """Evaluations at step 2 (the metric's calls 1, 2) and at step 4, the last (its calls 3, 4)."""
+    """val_data's first batch after step 1 (the metric's call 1), evaluations at step 2 (its calls 2, 3) and at step 4,
+    the last (its calls 4, 5)."""
     kwargs = {"max_steps": 4, "eval_every": 2, "out_dir": out, **kwargs}
     return Trainer(task, runtime=redline.RuntimeOptions(devices="cpu", seed=0), progress=False, **kwargs)
 
@@ -65,7 +66,7 @@ def test_a_second_ctrl_c_in_the_last_steps_evaluation_keeps_every_step_for_the_r
     unbroken = trainer(ctrl_c_task(), tmp_path / "unbroken").fit()
     run = tmp_path / "run"
     with pytest.raises(KeyboardInterrupt) as second:  # a plain one would end the test session
-        trainer(ctrl_c_task(3, 4), run).fit()
+        trainer(ctrl_c_task(4, 5), run).fit()
     assert isinstance(second.value, ResultsSkipped), "taken as a second Ctrl-C mid-run"
     assert (run / "checkpoints" / "step-00000004" / "manifest.json").is_file()
     assert not (run / "summary.json").exists() and not (run / "model.safetensors").exists()
@@ -89,7 +90,7 @@ def test_a_ctrl_c_in_the_last_steps_evaluation_is_said_at_once_and_the_run_write
     handler = Told(logging.WARNING)
     logging.getLogger("redline").addHandler(handler)
     try:
-        summary = trainer(ctrl_c_task(3, then=said), tmp_path).fit()
+        summary = trainer(ctrl_c_task(4, then=said), tmp_path).fit()
     finally:
         logging.getLogger("redline").removeHandler(handler)
     kept = tmp_path / "checkpoints" / "step-00000004"
@@ -112,7 +113,7 @@ def test_a_finished_run_trained_further_logs_its_last_evaluation_once(tmp_path):
 def test_a_second_ctrl_c_after_the_last_step_says_what_it_skipped_and_where_the_steps_are(tmp_path, out):
     # A script's traceback ended in a bare ResultsSkipped, without a word
     with pytest.raises(KeyboardInterrupt) as second:
-        trainer(ctrl_c_task(3, 4), tmp_path if out else None).fit()
+        trainer(ctrl_c_task(4, 5), tmp_path if out else None).fit()
     kept = tmp_path / "checkpoints" / "step-00000004"
     assert str(second.value) == (
         "a second Ctrl-C after the run's last step skipped its results (the final evaluation, sample, summary.json "
@@ -126,7 +127,7 @@ def test_a_second_ctrl_c_after_the_last_step_says_what_it_skipped_and_where_the_
 def test_a_run_whose_results_a_second_ctrl_c_skipped_is_told_to_resume_to_write_them(tmp_path):
     # It was refused as a finished run, "to train that run further, pass resume='auto' with a larger max_steps=N"
     with pytest.raises(KeyboardInterrupt):
-        trainer(ctrl_c_task(3, 4), tmp_path).fit()
+        trainer(ctrl_c_task(4, 5), tmp_path).fit()
     with pytest.raises(ConfigError) as refused:
         trainer(ctrl_c_task(), tmp_path).fit()
     assert "(the newest at step 4, where it ended; stopped: max_steps) but not its results (no summary.json" in str(

@@ -23,10 +23,12 @@ from redline.runtime.loading import read_batches
 from redline.runtime.oom import is_oom
 from redline.runtime.runtime import Runtime
 from redline.runtime.samples import count_batch
+from redline.runtime.seed import capture_rng, restore_rng
 from redline.task import Task
 from redline.task.definition import is_array
 from redline.train.data import eval_loader, is_stream
 from redline.train.failures import EvaluationOutOfMemory
+from redline.train.state import Run
 
 log = logging.getLogger("redline")
 
@@ -39,7 +41,14 @@ def summed_on(device: torch.device) -> torch.device:
 
 @torch.no_grad()
 def evaluate_model(
-    task: Task, model: nn.Module, rt: Runtime, batch_size: int, env: DistEnv | None = None, *, where: str = "evaluation"
+    task: Task,
+    model: nn.Module,
+    rt: Runtime,
+    batch_size: int,
+    env: DistEnv | None = None,
+    *,
+    where: str = "evaluation",
+    batches: int | None = None,
 ) -> dict[str, float | None]:
     """Return the mean validation loss and metric, weighting each batch by its size.
 
@@ -47,7 +56,7 @@ def evaluate_model(
     share of a training batch), with rank 0's buffers (BatchNorm's running statistics), and the sums are added
     over the ranks, so every sample counts exactly once. Every rank runs as many forwards (``_in_step``). A
     compiled model evaluates through its own (eager) forward, under the run's autocast: a partial last batch
-    would otherwise compile again. ``where`` starts an error's message.
+    would otherwise compile again. ``where`` starts an error's message; ``batches`` bounds each rank's batches.
     """
     env = env or DistEnv()
     assert task.val_data is not None
@@ -59,7 +68,7 @@ def evaluate_model(
             task.val_data, batch_size=batch_size, rank=env.rank, world_size=env.world_size, collate_fn=task.collate_fn
         )
         collate = task.collate_fn or default_collate  # what a batch that is no pair is blamed on
-        for batch, counted in _in_step(task, val, env, summed_on(rt.device)):
+        for batch, counted in _in_step(task, val, env, summed_on(rt.device), batches):
             inputs, targets = split_batch(rt.to_device(batch), "val_data", collate_fn=collate)
             with rt.eager(), rt.autocast(), user_code(where, inputs, targets, data="val_data") as forward:  # eager
                 outputs = forward.outputs = model(inputs)
@@ -85,9 +94,38 @@ def evaluate_model(
     return {"val_loss": total_loss / count, "val_metric": total_metric / count if task.metric else None}
 
 
-def _in_step(task: Task, loader: Any, env: DistEnv, device: torch.device) -> Iterator[tuple[Any, bool]]:
-    """Yield this rank's batches of ``loader``, each with True, then padding batches, each with False (not
-    counted), until every rank has run as many forwards.
+def check_val_data(task: Task, run: Run, batch_size: int, env: DistEnv) -> bool:
+    """Evaluate val_data's first batch (``batch_size`` a rank) after the ``run``'s first step, so that a mistake in
+    val_data, or in the loss or the metric on it, stops the run then, not at its first evaluation, after the training
+    before it (after a step, not before: a model or loss that fails on train_data too is told of as the step's own
+    failure). Nothing is logged, the time is left out of the step rates, and the random streams are put back (a
+    metric that draws leaves the run as it would have been). A stream of one pass (its ``__iter__`` gives the same
+    iterator each time) is not checked: the batch read would be missing from the first evaluation. True: checked."""
+    if task.val_data is None or (is_stream(task.val_data) and _one_pass(task.val_data)):
+        return True
+    run.beat("val_data's first batch")
+    where, saved = f"val_data's first batch, after step {run.pos.step}", capture_rng()
+    try:
+        with run.meter.excluded("eval"):
+            evaluate_model(task, run.model, run.rt, batch_size, env, where=where, batches=1)
+    finally:
+        restore_rng(saved)
+    return True
+
+
+def _one_pass(stream: Any) -> bool:
+    """Whether ``stream`` gives one pass only: iterating it again goes on from where the last pass stopped."""
+    try:
+        return iter(stream) is iter(stream)
+    except TypeError:  # not iterable: the evaluation says so
+        return False
+
+
+def _in_step(
+    task: Task, loader: Any, env: DistEnv, device: torch.device, limit: int | None = None
+) -> Iterator[tuple[Any, bool]]:
+    """Yield this rank's batches of ``loader`` (its first ``limit`` where given), each with True, then padding
+    batches, each with False (not counted), until every rank has run as many forwards.
 
     Under FSDP every forward gathers the parameters, and DDP's broadcasts a model's buffers: a rank with fewer
     batches (a shard one item shorter, or none at all) left the others waiting in their next forward. A padding
@@ -97,13 +135,13 @@ def _in_step(task: Task, loader: Any, env: DistEnv, device: torch.device) -> Ite
     """
     batches = read_batches(loader)  # an error in the dataset shows the user's line
     if not env.distributed:
-        yield from ((batch, True) for batch in batches)
+        yield from ((batch, True) for batch in itertools.islice(batches, limit))
         return
     assert task.val_data is not None
     largest = None if is_stream(task.val_data) else all_reduce_max(len(loader), device)
     last = None
     for index in itertools.count():
-        if largest is not None and index >= largest:
+        if (largest is not None and index >= largest) or (limit is not None and index >= limit):
             return
         batch = next(batches, None)
         if largest is None and not all_reduce_max(int(batch is not None), device):

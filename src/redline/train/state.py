@@ -288,6 +288,7 @@ class Run:
     stopped: str = ""
     watchdog: Watchdog | None = None
     owed_eval: bool = False  # the resumed step's evaluation, due and failed: run before the first step
+    val_checked: bool = False  # whether val_data's first batch was evaluated (train/evaluation.py check_val_data)
     # what an epoch's evaluation moves, as it stood before: the schedule, early stopping and best's checkpoint
     # entries, and the optimizer's hyperparameters (the learning rate ReduceLROnPlateau sets); kept while it runs,
     # and to the end of a step whose micro-batches span the epoch's end, for a checkpoint the resume evaluates from

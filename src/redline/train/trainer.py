@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.utils.data import default_collate
 
 from redline import checkpoint
@@ -45,7 +45,7 @@ from redline.train.best import best_weights
 from redline.train.callbacks import Callback, call_hooks, check_callbacks, warn_if_stopping_cannot_act
 from redline.train.config import TrainerConfig
 from redline.train.data import fixed_shapes, job_size, no_batch, plan_length, train_loader
-from redline.train.evaluation import evaluate_model, predict_outputs
+from redline.train.evaluation import check_val_data, evaluate_model, predict_outputs
 from redline.train.failures import check_finite, keeping_steps, step_failure
 from redline.train.lock import holding_out_dir
 from redline.train.logs import TRAIN_COLUMNS as LOG_COLUMNS
@@ -197,6 +197,8 @@ class Trainer:
     def _after_step(self, run: Run) -> str:
         """Log, evaluate and checkpoint when due (where the work is done, _finish does); return why the run stops."""
         step = run.pos.step
+        if not run.val_checked:  # val_data's first batch after the run's first step: a mistake in it stops it now
+            run.val_checked = check_val_data(self.task, run, self.batch_size // self.env.world_size, self.env)
         period_s = 60 * self.config.checkpoint_period_minutes if self.out_dir else 0.0
         timed = bool(period_s) and time.perf_counter() - run.checkpointed_at >= period_s
         agreed = run.vote.vote(self._signals.received is not None, step, checkpoint=timed)  # the same on every rank
@@ -263,9 +265,7 @@ class Trainer:
         if self.task.val_data is not None and self._evaluated_at != run.pos.step:
             self._evaluate(run)
 
-    def _forward_backward(
-        self, rt: Runtime, model: nn.Module, inputs: Any, targets: Any, pos: Position
-    ) -> torch.Tensor:
+    def _forward_backward(self, rt: Runtime, model: nn.Module, inputs: Any, targets: Any, pos: Position) -> Tensor:
         def loss_of(batch: tuple[Any, Any]) -> torch.Tensor:  # of the batch, or of a micro-batch (--micro-batch)
             # a failed collective and an out-of-memory pass through (FSDP gathers weights in the forward)
             with user_code(f"step {pos.step + 1}", *batch) as forward:
