@@ -570,7 +570,8 @@ def test_the_auto_row_runs_a_cached_tuned_plan_as_train_does():
 
 def test_the_auto_row_leaves_out_a_tuned_micro_batching_that_train_leaves_out(caplog):
     # 240 samples in micro-batches of 16 make 15 an epoch: 7 steps, the last one untrained, so `redline train` ran
-    # whole batches; the auto row ran the tune's two micro-batches, labelled "what `redline train` runs".
+    # whole batches; the auto row ran the tune's two micro-batches, labelled "what `redline train` runs". A longer
+    # run steps the epoch's last micro-batch with the next epoch's first, where whole batches step it alone.
     x, y = tiny_task().train_data.tensors
     task = dataclasses.replace(tiny_task(), train_data=TensorDataset(x[:240], y[:240]))
     cache_two_micro_batches(task)  # weighed for the task's own run: 8 batches of 32
@@ -578,13 +579,17 @@ def test_the_auto_row_leaves_out_a_tuned_micro_batching_that_train_leaves_out(ca
         result = benchmark(task, devices="cpu", precisions=["fp32"], compiles=[False], steps=4, window=2)
     auto = result.row("auto cpu b32")
     assert not auto.error and auto.plan["grad_accum"]["value"] == 1
-    told = "not taken: 1 epoch(s) of 15 micro-batches of 16 leave the last 1 in no step"
+    told = "not taken: an epoch of 240 samples ends in a batch of 16, not 32"
     assert told in auto.plan["grad_accum"]["reason"] and told in caplog.text
     trained = Trainer(task, TrainerConfig(progress=False)).fit().plan.to_dict()
     assert auto.plan["grad_accum"] == trained["grad_accum"]
-    # a run of 16 steps (--planned-steps 16, as `train --max-steps 16`) goes on past the epoch: it takes them
+    # a run of 16 steps (--planned-steps 16, as `train --max-steps 16`) goes on past the epoch: refused alike
     longer = benchmark(task, devices="cpu", precisions=["fp32"], compiles=[False], steps=4, window=2, planned_steps=16)
-    assert longer.row("auto cpu b32").plan["grad_accum"]["value"] == 2
+    assert longer.row("auto cpu b32").plan["grad_accum"]["value"] == 1
+    assert told in longer.row("auto cpu b32").plan["grad_accum"]["reason"]
+    # 7 steps (as `train --max-steps 7`) end before the partial batch: they take them
+    shorter = benchmark(task, devices="cpu", precisions=["fp32"], compiles=[False], steps=4, window=2, planned_steps=7)
+    assert shorter.row("auto cpu b32").plan["grad_accum"]["value"] == 2
 
 
 @pytest.mark.slow

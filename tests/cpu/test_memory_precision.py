@@ -136,8 +136,9 @@ def test_a_tuned_plan_is_weighed_as_plan_auto_runs_it_its_kernel_and_micro_batch
 
 
 def test_a_tuned_split_a_run_would_leave_out_is_not_weighed(tmp_path):
-    """60 samples in micro-batches of 4 are 15 a epoch: split in two, the last would complete no step, so
-    `redline train` runs the tune's batch of 8 whole (tuned_run.whole_where_untrained). The estimate weighs that."""
+    """60 samples in micro-batches of 4 are 15 a epoch: split in two, the last would complete no step (or step with
+    the next epoch's first), so `redline train` runs the tune's batch of 8 whole (tuned_run.whole_where_split_differs).
+    The estimate weighs that."""
     spec, _, _ = tuned_gpt(tmp_path, Candidate(precision="bf16-mixed", attention="math", grad_accum=2), samples=60)
     result = CliRunner().invoke(app, ["memory", "--task", spec, "--json"])
     assert result.exit_code == 0, result.output
@@ -146,7 +147,7 @@ def test_a_tuned_split_a_run_would_leave_out_is_not_weighed(tmp_path):
     assert estimate["grad_accum"] == 1
     said = " ".join(result.stderr.split())
     assert (
-        "the tune's 2 micro-batches per step of batch 8 not taken" in said and "leave the last 1 in no step" in said
+        "the tune's 2 micro-batches per step of batch 8 not taken" in said and "ends in a batch of 4, not 8" in said
     ), said
     assert "splits each batch" not in said
 

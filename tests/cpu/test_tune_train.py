@@ -203,23 +203,44 @@ def test_grad_accum_given_as_1_wins_over_a_tuned_micro_batching(plan):
     assert "tuned" not in summary.plan.grad_accum.reason
 
 
-def test_a_tuned_micro_batching_that_would_leave_samples_untrained_is_not_taken(caplog):
+def test_a_tuned_micro_batching_that_would_leave_samples_untrained_or_step_them_otherwise_is_not_taken(caplog):
     # 24 samples at batch 16 split in two: 3 micro-batches, 1 step, the last 8 samples untrained each epoch, and the
-    # warning told the user to pass a --grad-accum that divides 3, a flag they had never passed
+    # warning told the user to pass a --grad-accum that divides 3, a flag they had never passed. Over 2 epochs the 6
+    # micro-batches made 3 steps, the third of the first epoch's last 8 samples and the next's first 8, where whole
+    # batches step 16, then 8 (each weighing 1/8 of the loss, not 1/16)
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(24, 8, generator=generator), torch.randint(0, 3, (24,), generator=generator))
     task = dataclasses.replace(mlp_task(), train_data=data, batch_size=16, epochs=1)
     cache_plan(task, planned_steps=2, precision="fp32", grad_accum=2)
-    with caplog.at_level(logging.INFO, logger="redline"), Trainer(task, TrainerConfig(progress=False)) as trainer:
-        summary = trainer.fit()
-    assert trainer.batch_size == 16 and summary.samples == 24 and summary.plan.grad_accum.value == 1
-    told = "2 micro-batches per step of batch 16 not taken: 1 epoch(s) of 3 micro-batches of 8 leave the last 1 in no "
-    assert told in summary.plan.grad_accum.reason and told in caplog.text
+    for epochs in (1, 2):
+        with (
+            caplog.at_level(logging.INFO, logger="redline"),
+            Trainer(dataclasses.replace(task, epochs=epochs), TrainerConfig(progress=False)) as trainer,
+        ):
+            summary = trainer.fit()
+        assert trainer.batch_size == 16 and summary.samples == 24 * epochs and summary.plan.grad_accum.value == 1
+        told = "2 micro-batches per step of batch 16 not taken: an epoch of 24 samples ends in a batch of 8, not 16"
+        assert told in summary.plan.grad_accum.reason and told in caplog.text
     assert "--grad-accum" not in caplog.text
-    two = dataclasses.replace(task, epochs=2)  # 6 micro-batches: 3 whole steps, every sample trained
-    with Trainer(two, TrainerConfig(progress=False)) as trainer:
+    whole = dataclasses.replace(task, train_data=TensorDataset(*mlp_task().train_data[:32]), epochs=2)
+    cache_plan(whole, planned_steps=4, precision="fp32", grad_accum=2)
+    with Trainer(whole, TrainerConfig(progress=False)) as trainer:  # 32 samples: 2 whole batches, 4 micro-batches
         summary = trainer.fit()
-    assert trainer.batch_size == 8 and summary.plan.grad_accum.value == 2 and summary.samples == 48
+    assert trainer.batch_size == 8 and summary.plan.grad_accum.value == 2 and summary.samples == 64
+
+
+def test_a_tuned_micro_batching_of_a_model_with_batchnorm_is_not_taken():
+    # its statistics would be over micro-batches of 16, not the batch of 32: step 1's loss moved (1.23557 for 1.23809)
+    task = dataclasses.replace(
+        mlp_task(), model=lambda: nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 3))
+    )
+    cache_plan(task, planned_steps=4, precision="fp32", grad_accum=2)
+    config = TrainerConfig(plan="tuned", progress=False)
+    kept = use_tuned(task, config.runtime, 32, DistEnv(), config=config)
+    assert kept is not None and (kept.batch_size, kept.options.grad_accum) == (32, 1)
+    told = "the model's 1 BatchNorm layer(s) would take their statistics over micro-batches of 16, not over the batch"
+    assert told in kept.tuning.reasons["grad_accum"]["reason"]
+    assert refused_split(task, Candidate(), 2) and not refused_split(mlp_task(), Candidate(), 2)  # the tune's too
 
 
 def untrained_task(size: int, batch_size: int = 16) -> Task:
@@ -241,7 +262,7 @@ def test_a_compiled_tuned_micro_batching_is_taken_where_whole_batches_drop_the_s
     eager = RuntimeOptions(compile="off")  # eager keeps the partial batch: the split would leave 4 samples out
     kept = use_tuned(task, eager, 16, DistEnv(), config=dataclasses.replace(config, runtime=eager))
     assert kept is not None and (kept.batch_size, kept.options.grad_accum) == (16, 1)
-    assert "5 micro-batches of 8 leave the last 1 in no step" in kept.tuning.reasons["grad_accum"]["reason"]
+    assert "an epoch of 36 samples ends in a batch of 4, not 16" in kept.tuning.reasons["grad_accum"]["reason"]
     assert not refused_split(task, Candidate(compile=True), 2) and refused_split(task, Candidate(), 2)  # the tune's too
 
 
@@ -262,8 +283,9 @@ def test_a_tune_does_not_offer_micro_batches_the_run_it_prints_would_leave_out(m
     assert tuned.best.grad_accum == 1 and all(c.grad_accum == 1 for c in measured)
     assert tuned.reasons["grad_accum"] == (
         "one batch per step kept, 2 micro-batches per step not tried: `redline train --plan tuned` would not take "
-        "them, as for the task's 1 epoch(s) they would leave samples untrained (1 epoch(s) of 3 micro-batches of 8 "
-        "leave the last 1 in no step, untrained, where the whole batches train on every sample)"
+        "them, as for the task's 1 epoch(s) they would not train as whole batches do (an epoch of 24 samples ends in "
+        "a batch of 8, not 16, which micro-batches of 8 would step otherwise than the whole batch: in micro-batches of "
+        "unequal size, each weighing alike, or together with the next epoch's first)"
     )
     split, _ = tune(untrained_task(32), devices="cpu", budget_s=60)  # 4 micro-batches of 8: 2 whole steps
     assert split.best.grad_accum == 2

@@ -53,7 +53,7 @@ from redline.runtime.sampling import batches_per_epoch, data_size
 from redline.runtime.seed import keeps_rng
 from redline.runtime.trial import time_steps
 from redline.runtime.tuned import Tuning
-from redline.runtime.tuned_run import auto_tuned, whole_where_untrained
+from redline.runtime.tuned_run import auto_tuned, whole_where_split_differs
 from redline.task import Task, require_task, task_origin
 from redline.version import __version__
 
@@ -389,7 +389,7 @@ def _auto(
     tuned = auto_tuned(task, options, setting.batch_size, env, planned_steps=planned)
     own = planned == task_steps(task, setting.batch_size)  # else as `train --max-steps N`: no end of epochs ends it
     epochs, steps = (task.epochs, None) if own else (math.inf, planned)
-    tuned = whole_where_untrained(task, tuned, options, setting.batch_size, env, epochs=epochs, max_steps=steps)
+    tuned = whole_where_split_differs(task, tuned, options, setting.batch_size, env, epochs=epochs, max_steps=steps)
     if tuned is not None:
         return tuned.options, _measured(task, tuned.options, tuned.batch_size, planned), tuned.tuning
     return None, _measured(task, options, setting.batch_size, planned), None

@@ -2,7 +2,7 @@
 
 An alternative that cannot win here is not tried (channels_last without a convolution, loader workers for data
 already in memory, CUDA graphs off CUDA, a reduced precision the device has no fast arithmetic for), nor one a run
-would not take (``refused_split``: micro-batches that would leave samples untrained).
+would not take (``refused_split``: micro-batches that would not train as whole batches do).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from redline.plan.precision import fast_precisions
 from redline.runtime.attention import AttentionCall
 from redline.runtime.loading import loader_facts
 from redline.runtime.tuned import MICRO_BATCHES, Candidate
-from redline.runtime.tuned_run import untrained_split
+from redline.runtime.tuned_run import split_differs
 from redline.task import Task
 
 
@@ -87,14 +87,12 @@ def _worker_counts(task: Task, facts: DeviceFacts) -> list[int]:
 
 def refused_split(task: Task, best: Candidate, parts: int) -> str:
     """Why ``best`` with each batch split into ``parts`` micro-batches is not tried: the run the tune's "use it" line
-    prints (`redline train --plan tuned`, the task's epochs) would not take them, as they would leave samples
-    untrained (runtime/tuned_run.py, train's rule). "" where it would take them."""
-    why = untrained_split(
-        task.train_data, task.batch_size, parts, 1, epochs=task.epochs, max_steps=None, drop_last=best.compile
-    )
+    prints (`redline train --plan tuned`, the task's epochs) would not take them, as split it would not train as on
+    whole batches (runtime/tuned_run.py, train's rule). "" where it would take them."""
+    why = split_differs(task, task.batch_size, parts, 1, epochs=task.epochs, max_steps=None, drop_last=best.compile)
     if not why:
         return ""
     return (
         f"one batch per step kept, {parts} {MICRO_BATCHES} not tried: `redline train --plan tuned` would not take "
-        f"them, as for the task's {task.epochs:g} epoch(s) they would leave samples untrained ({why})"
+        f"them, as for the task's {task.epochs:g} epoch(s) they would not train as whole batches do ({why})"
     )

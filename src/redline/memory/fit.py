@@ -36,7 +36,7 @@ from redline.plan.precision import resolve_precision
 from redline.runtime.measure import recall_auto
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.sampling import data_size
-from redline.runtime.tuned_run import TunedRun, auto_tuned, whole_where_untrained
+from redline.runtime.tuned_run import TunedRun, auto_tuned, whole_where_split_differs
 from redline.task import Task, require_task
 
 GIB = 2**30
@@ -251,8 +251,8 @@ def fit_choices(
 
     Where the device is this machine's own (``here``), auto is a tuned Plan's where `redline tune` cached one for
     this batch and both axes are auto (as ``--plan auto`` takes it: its precision, kernel and micro-batches, these
-    only where a run of the task's own epochs would leave no sample untrained by them; a precision it left to auto
-    is a trial's at its micro-batch), else
+    only where a run of the task's own epochs would train split as whole (``whole_where_split_differs``); a
+    precision it left to auto is a trial's at its micro-batch), else
     what a trial of the task at this batch measured where one is cached (runtime/measure.py): the precision, and the
     kernel where the trial timed the kernels too. An estimate runs no trial: it is made to learn whether a step fits
     before one runs, and a trial would run steps, on the GPU too. On a GPU weighed from afar (a catalog's, a memory
@@ -269,8 +269,8 @@ def fit_choices(
     if attention == "auto":
         options, env = RuntimeOptions(devices=facts.type), read_env()
         found = auto_tuned(task, options, batch, env)
-        # as a run of the task's own length takes it: not its micro-batches where they would leave samples untrained
-        tuned = whole_where_untrained(task, found, options, batch, env, epochs=task.epochs, max_steps=None)
+        # as a run of the task's own length takes it: not its micro-batches where split it would train otherwise
+        tuned = whole_where_split_differs(task, found, options, batch, env, epochs=task.epochs, max_steps=None)
         if tuned is not None:
             weighing = _tuned(task, tuned, batch, kernel, chosen)
             if tuned is not found:  # its split left out: the note says why, as the run's Plan does

@@ -1,8 +1,8 @@
 """What a run takes from a cached tune (runtime/tuned.py): auto's rule for taking one, and the micro-batching a run
 refuses.
 
-``auto_tuned`` is the one rule for when "auto" takes a tune, and ``whole_where_untrained`` the one rule for when a
-run of a planned length leaves a tune's micro-batches out: the Trainer's runs and the bench's auto row both ask them,
+``auto_tuned`` is the one rule for when "auto" takes a tune, and ``whole_where_split_differs`` the one rule for when
+a run of a planned length leaves a tune's micro-batches out: the Trainer's runs and the bench's auto row both ask them,
 so the row shows what a run does, and `redline tune` does not offer micro-batches a run would leave out.
 """
 
@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from torch.utils.data import Dataset
+from torch import nn
 
 from redline.hardware.device import DeviceFacts
 from redline.parallel.collectives import run_on_rank0
@@ -25,6 +25,7 @@ from redline.runtime.seed import capture_rng, restore_rng
 from redline.runtime.tuned import MICRO_BATCHES, TUNED_AXES, TunedPlan, Tuning, load_tuned
 from redline.runtime.workload import fingerprint_of, worker_device
 from redline.task import Task
+from redline.task.meta import on_meta
 
 log = logging.getLogger("redline")
 
@@ -142,7 +143,7 @@ def whole_batch(found: TunedRun, options: RuntimeOptions, batch_size: int, why: 
     return dataclasses.replace(found, options=applied, batch_size=batch_size, tuning=Tuning(reasons, found.tuning.note))
 
 
-def whole_where_untrained(
+def whole_where_split_differs(
     task: Task,
     found: TunedRun | None,
     options: RuntimeOptions,
@@ -153,19 +154,19 @@ def whole_where_untrained(
     max_steps: int | None,
 ) -> TunedRun | None:
     """``found``, its micro-batching not taken (``whole_batch``) where a run of ``epochs`` (cut at ``max_steps``) would
-    leave samples untrained that its whole batches train on (``untrained_split``): `redline train`'s rule, and the
-    bench's auto row's."""
+    not train split as it trains on whole batches (``split_differs``): `redline train`'s rule, and the bench's auto
+    row's."""
     if found is None or found.batch_size == batch_size:  # no split
         return found
-    why = untrained_split(
-        task.train_data, batch_size, found.options.grad_accum, env.world_size, epochs=epochs, max_steps=max_steps,
+    why = split_differs(
+        task, batch_size, found.options.grad_accum, env.world_size, epochs=epochs, max_steps=max_steps,
         drop_last=found.options.compile == "on",
     )  # fmt: skip
     return whole_batch(found, options, batch_size, why, env) if why else found
 
 
-def untrained_split(
-    data: Dataset[Any],
+def split_differs(
+    task: Task,
     batch_size: int,
     grad_accum: int,
     world_size: int,
@@ -174,14 +175,36 @@ def untrained_split(
     max_steps: int | None,
     drop_last: bool,
 ) -> str:
-    """Why splitting each batch of ``batch_size`` into ``grad_accum`` micro-batches would leave samples untrained
-    that the whole batches train on: the epochs' last micro-batches complete no step. "" where none would: a stream's
-    steps end its run, and a run that drops its partial last batch (``drop_last``: a compiled one keeps one shape)
-    trains as many samples split, its whole batches dropping theirs too."""
-    size = job_size(data, world_size)
-    if grad_accum == 1 or size is None or drop_last:
+    """Why splitting each batch of ``batch_size`` into ``grad_accum`` micro-batches would not train the run as its
+    whole batches do ("" where it trains alike: the same samples in each step, each weighing alike): BatchNorm layers
+    (their statistics would be a micro-batch's); an epoch that ends in a partial batch, where the run goes past it
+    (split, it becomes micro-batches of unequal size, each weighing a step's 1/``grad_accum``, or a micro-batch that
+    steps with the next epoch's first, each step then grouping other samples than a whole batch's); or the epochs'
+    last micro-batches completing no step. A stream's length is not known: only its model is judged. ``drop_last``:
+    the run drops a partial last batch (a compiled one keeps one shape), split or whole."""
+    if grad_accum == 1:
         return ""
     micro = batch_size // grad_accum
+    norms = batch_norms(task)
+    if norms:
+        return (
+            f"the model's {norms} BatchNorm layer(s) would take their statistics over micro-batches of {micro}, not "
+            f"over the batch of {batch_size}"
+        )
+    size = job_size(task.train_data, world_size)
+    if size is None:
+        return ""
+    rest = size % batch_size
+    whole = batches_per_epoch(size, batch_size, world_size, drop_last=drop_last)
+    planned = min(epochs * whole, max_steps if max_steps is not None else math.inf)
+    if rest and (rest >= micro or not drop_last) and planned > size // batch_size:
+        return (
+            f"an epoch of {size} samples ends in a batch of {rest}, not {batch_size}, which micro-batches of {micro} "
+            "would step otherwise than the whole batch: in micro-batches of unequal size, each weighing alike, or "
+            "together with the next epoch's first"
+        )
+    if drop_last:  # whole epochs of micro-batches, their partial one dropped as the whole batches drop theirs
+        return ""
     per_epoch = batches_per_epoch(size, micro, world_size, drop_last=False)
     left = untrained_batches(per_epoch, grad_accum=grad_accum, max_epochs=epochs, max_steps=max_steps)
     if not left:
@@ -190,6 +213,17 @@ def untrained_split(
         f"{epochs:g} epoch(s) of {per_epoch} micro-batches of {micro} leave the last {left} in no step, untrained, "
         "where the whole batches train on every sample"
     )
+
+
+def batch_norms(task: Task) -> int:
+    """How many BatchNorm layers ``task``'s model has (built on the meta device where it can be, the random streams
+    put back): their statistics are over the batch a forward is given."""
+    saved = capture_rng()
+    try:
+        model = on_meta(task.build_model) or task.build_model()
+    finally:
+        restore_rng(saved)
+    return sum(isinstance(module, nn.modules.batchnorm._BatchNorm) for module in model.modules())
 
 
 def _load(task: Task, facts: DeviceFacts, batch_size: int) -> TunedPlan | None:

@@ -4,9 +4,9 @@
 (runtime/tuned.py). ``--plan tuned`` runs them, and fails with the command that makes them when
 there are none; ``--plan auto`` runs them too when every tuned axis was left to auto, so a tuned
 machine's later runs gain without asking (``auto_tuned``, the rule the bench's auto row follows
-too), and it says so where a flag given keeps the tune out. A tuned micro-batching that would leave samples
-untrained is not taken (``whole_where_untrained``, the bench's rule too). Either way the Plan's reasons say the
-values were tuned, when, and by which numbers. A resumed run keeps its stored Plan instead.
+too), and it says so where a flag given keeps the tune out. A tuned micro-batching that would not train the
+run as whole batches do is not taken (``whole_where_split_differs``, the bench's rule too). Either way the Plan's
+reasons say the values were tuned, when, and by which numbers. A resumed run keeps its stored Plan instead.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from redline.parallel.env import DistEnv
 from redline.runtime.cache import cache_dir
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.tuned import MICRO_BATCHES
-from redline.runtime.tuned_run import TunedRun, auto_tuned, find_tuned, say_given_over_tune, whole_where_untrained
+from redline.runtime.tuned_run import TunedRun, auto_tuned, find_tuned, say_given_over_tune, whole_where_split_differs
 from redline.runtime.workload import worker_device
 from redline.task import Task
 from redline.train.data import plan_length
@@ -47,7 +47,7 @@ def use_tuned(
                 log.info("--trial %s: auto measures now instead of running the tuned Plan (%s)", config.trial,
                          found.tuning.note)  # fmt: skip
             return None
-        return whole_where_untrained(task, found, options, batch_size, env, epochs=epochs, max_steps=steps)
+        return whole_where_split_differs(task, found, options, batch_size, env, epochs=epochs, max_steps=steps)
     found = find_tuned(task, options, batch_size, env)
     if found is None:
         _, facts = worker_device(options, env)
@@ -57,7 +57,7 @@ def use_tuned(
             f"hint: run `{TUNE_COMMAND} --batch-size {batch_size}{devices}` first (it caches the Plan under "
             f"{cache_dir()}), or use --plan auto"
         )
-    return whole_where_untrained(task, found, options, batch_size, env, epochs=epochs, max_steps=steps)
+    return whole_where_split_differs(task, found, options, batch_size, env, epochs=epochs, max_steps=steps)
 
 
 def _planned(task: Task, options: RuntimeOptions, batch_size: int, env: DistEnv, config: TrainerConfig) -> float | None:
