@@ -140,13 +140,15 @@ def resolve_optimizer(
     sharded: bool = False,
     timed: StepTiming | str | None = None,
     deterministic: bool = False,
+    stored: OptimizerImpl | None = None,
 ) -> Choice[OptimizerImpl]:
     """Use a fused kernel on CUDA where the optimizer has one, and on a CPU where ``timed`` found it faster; keep it
     as given everywhere else.
 
     ``sharded``: the parameters are FSDP2's DTensors, for which torch's default implementation is kept. ``timed``:
     on a CPU, the two implementations' step timed (``wants_timing``), or why they could not be (a clause).
-    ``deterministic``: a CPU run that must repeat itself keeps the optimizer as given, untimed.
+    ``deterministic``: a CPU run that must repeat itself keeps the optimizer as given, untimed. ``stored``: the
+    implementation a resumed run's checkpoint stepped with, taken untimed where a timing would decide.
     """
     if optimizer.impl_set_by_user:
         return Choice("as given", f"{optimizer.name}: implementation set by the user")
@@ -159,6 +161,9 @@ def resolve_optimizer(
         return Choice("fused", f"{optimizer.name} rebuilt fused: one kernel updates every parameter")
     if deterministic:  # the two round differently, and a timing may choose otherwise on the next run
         return Choice("as given", f"{optimizer.name}: kept as given, as a deterministic run takes no timed choice")
+    if stored is not None:  # a timing now could choose otherwise (a busy machine's), and the two round differently
+        done = "rebuilt fused" if stored == "fused" else "kept as given"
+        return Choice(stored, f"{optimizer.name} {done}, as the run it resumes stepped it")
     if timed is None:
         return Choice("as given", f"{optimizer.name}: kept as given, its fused kernel not timed on this {facts.type}")
     if isinstance(timed, str):

@@ -1,4 +1,5 @@
-"""The forms a run's first steps check, as the Runtime sets them up and explains them.
+"""The forms a run's first steps check, as the Runtime sets them up and explains them (``FormsReport``: the Runtime's
+``explain()`` and its compile counts).
 
 ``check_forms`` gives each model set up to the run's check (runtime/compile_check.py, ``CompileCheck``): the compile
 the rule chose, the CUDA graphs auto proposed, the precision no trial decided. ``explain_forms`` gives the Plan's
@@ -16,13 +17,63 @@ from torch import nn
 
 from redline.plan import Choice, Plan
 from redline.plan.precision import PrecisionName
-from redline.runtime.compile import CompileRecord, explain_compile
+from redline.runtime.compile import CompileRecord, compile_counts, compile_seconds, explain_compile
 from redline.runtime.compile_check import CompileCheck
 from redline.runtime.cycle import Cycle
+from redline.runtime.fused import unfused
 from redline.runtime.graphs import GraphRecord
 from redline.runtime.kernel_check import KernelCheck
+from redline.runtime.layout import Layout
 from redline.runtime.precision_check import PrecisionSwitch
 from redline.runtime.stopwatch import StepTimer, Stopwatch
+
+
+class FormsReport:
+    """The Runtime's Plan as its run left it, and what its compiles cost: the forms the first steps checked, the
+    layout a forward went back from, an optimizer fused SGD gave up."""
+
+    _plan: Plan
+    _compile_check: CompileCheck | None
+    _compile_records: list[CompileRecord]
+    _graphs: GraphRecord | None
+    _kernels: KernelCheck | None
+    _layout: Layout
+    optimizer: torch.optim.Optimizer | None
+
+    @property
+    def compile_seconds(self) -> float | None:
+        """Seconds spent compiling (the first compile and every recompile), once a compiled model has run."""
+        return compile_seconds(self._compile_records)
+
+    @property
+    def compile_checking(self) -> bool:
+        """Whether an automatic compile or CUDA graphs are still being checked on the run's first steps."""
+        return self._compile_check is not None and not self._compile_check.decided
+
+    @property
+    def graphed_forwards(self) -> int:
+        """Training forwards that replayed as CUDA graphs (runtime/graphs.py); 0 where none did."""
+        return self._graphs.replays if self._graphs is not None else 0
+
+    @property
+    def training_compile_seconds(self) -> float:
+        """Seconds spent compiling inside training steps (under autograd): a throughput leaves them out."""
+        return compile_seconds(self._compile_records, training=True) or 0.0
+
+    @property
+    def compiles(self) -> tuple[int, int, list[str]]:
+        """How many times the compiled models compiled, how many of those for training (under autograd; the
+        rest for evaluation, under no_grad), and why each recompile happened."""
+        return compile_counts(self._compile_records)
+
+    def explain(self) -> Plan:
+        """Return the resolved Plan: each axis with its value and the reason for it."""
+        plan = explain_forms(self._plan, self._compile_check, self._compile_records, self._graphs, self._kernels)
+        if self._layout.changed:  # since setup: the precision check's switch, or a forward that failed in NHWC
+            plan = dataclasses.replace(plan, channels_last=self._layout.shown)
+        if (note := unfused(self.optimizer)) is not None:  # fused SGD met a parameter's late first gradient
+            plan = dataclasses.replace(plan, optimizer=Choice("as given", note))
+        return plan
 
 
 def explain_forms(

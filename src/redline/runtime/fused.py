@@ -56,15 +56,22 @@ METHOD = 1  # how the timing measures, in its cache key: a change to it leaves w
 
 
 def pick_implementation(
-    optimizer: torch.optim.Optimizer, facts: OptimizerFacts, device: DeviceFacts, *, sharded: bool, deterministic: bool
+    optimizer: torch.optim.Optimizer,
+    facts: OptimizerFacts,
+    device: DeviceFacts,
+    *,
+    sharded: bool,
+    deterministic: bool,
+    stored: OptimizerImpl | None = None,
 ) -> tuple[Choice[OptimizerImpl], torch.optim.Optimizer]:
     """The implementation ``optimizer`` steps with, and the optimizer rebuilt so where that is fused. On a CPU the
-    two are timed first, unless the run is ``deterministic``. Under several processes rank 0 decides, by its own
+    two are timed first, unless the run is ``deterministic``, or resumes a checkpoint that ``stored`` its own. Under
+    several processes rank 0 decides, by its own
     optimizer, and every rank takes its choice: a rank whose optimizer cannot be rebuilt (it has stepped) is refused
     at once, where a rank deciding alone would step otherwise, or wait in a collective the others never enter."""
 
     def decided() -> Choice[OptimizerImpl]:
-        return _decide(optimizer, facts, device, sharded=sharded, deterministic=deterministic)
+        return _decide(optimizer, facts, device, sharded=sharded, deterministic=deterministic, stored=stored)
 
     if device.type not in TIMED_DEVICES or deterministic:  # nothing timed: every rank decides alike, by rule
         impl = decided()
@@ -74,13 +81,20 @@ def pick_implementation(
 
 
 def _decide(
-    optimizer: torch.optim.Optimizer, facts: OptimizerFacts, device: DeviceFacts, *, sharded: bool, deterministic: bool
+    optimizer: torch.optim.Optimizer,
+    facts: OptimizerFacts,
+    device: DeviceFacts,
+    *,
+    sharded: bool,
+    deterministic: bool,
+    stored: OptimizerImpl | None = None,
 ) -> Choice[OptimizerImpl]:
     """resolve_optimizer's answer for ``optimizer``, with its step timed (or the timing read from the cache) where
-    the answer depends on a timing: a run's setup and a trial's copies decide so alike."""
-    timing = not deterministic and wants_timing(facts, device, sharded=sharded)
+    the answer depends on a timing (and no checkpoint ``stored`` it): a run's setup and a trial's copies decide so
+    alike."""
+    timing = stored is None and not deterministic and wants_timing(facts, device, sharded=sharded)
     timed = timed_or_cached(optimizer, device) if timing else None
-    return resolve_optimizer(facts, device, sharded=sharded, timed=timed, deterministic=deterministic)
+    return resolve_optimizer(facts, device, sharded=sharded, timed=timed, deterministic=deterministic, stored=stored)
 
 
 def as_the_run_steps(

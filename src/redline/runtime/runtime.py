@@ -38,17 +38,17 @@ from redline.plan import Choice, Plan
 from redline.plan.attention import DEFAULT, KERNELS, resolve_attention
 from redline.plan.device import resolve_worker_device
 from redline.plan.inference import check_cuda_graphs
-from redline.plan.optimizer import optimizer_facts, resolve_zero_grad
+from redline.plan.optimizer import OptimizerImpl, optimizer_facts, resolve_zero_grad
 from redline.plan.precision import PRECISIONS, PrecisionName, resolve_precision, resolve_tf32
 from redline.plan.process import resolve_deterministic, resolve_seed
 from redline.plan.strategy import resolve_strategy
 from redline.runtime.attention import prefer_kernel
 from redline.runtime.checkpointing import ActivationCheckpointing
-from redline.runtime.compile import CompileRecord, compile_counts, compile_planned, compile_seconds
+from redline.runtime.compile import CompileRecord, compile_planned
 from redline.runtime.compile_check import CompileCheck
 from redline.runtime.cycle import Cycle, hang_watchdog
-from redline.runtime.forms import check_forms, explain_forms
-from redline.runtime.fused import pick_implementation, unfused
+from redline.runtime.forms import FormsReport, check_forms
+from redline.runtime.fused import pick_implementation
 from redline.runtime.graphs import GraphRecord, setup_graphs
 from redline.runtime.kernel_check import KernelCheck
 from redline.runtime.layout import Layout
@@ -79,14 +79,16 @@ _UNEVEN = (
 )
 
 
-class Runtime(RunState):
+class Runtime(FormsReport, RunState):
     """Accelerate a plain PyTorch loop: device, precision, compile, layout, optimizer, loading and checkpoints.
 
     Pass a ``RuntimeOptions`` or its fields as keywords (``Runtime(precision="bf16-mixed")``). ``planned_steps`` tells
     the compile decision how long the run is; without it, "auto" does not compile, since a compile that never repays
     itself would make the run slower. ``measured`` holds choices a trial of the user's model made for "auto" axes
-    (``{"precision": Choice(...)}``, from ``runtime.trial``); they replace the rule of thumb's. Under ``redline launch
-    --hang-timeout S`` it watches for a rank that stops progressing (``watch_hangs=False``: a caller watches its own).
+    (``{"precision": Choice(...)}``, from ``runtime.trial``); they replace the rule of thumb's; an ``"optimizer"``
+    among them is the implementation ("fused" or "as given") a resumed run's checkpoint stepped with, kept untimed.
+    Under ``redline launch --hang-timeout S`` it watches for a rank that stops progressing (``watch_hangs=False``: a
+    caller watches its own).
     """
 
     def __init__(
@@ -113,6 +115,8 @@ class Runtime(RunState):
         check_cuda_graphs(self.options.cuda_graphs, self.facts.type)  # "on" off CUDA: refused before any work
         chosen = resolve_precision(self.options.precision, self.facts)
         self._measured = set(measured) if measured is not None else None  # None: no trial's word (a user's loop)
+        stored = (measured or {}).get("optimizer")  # a resumed run's: its checkpoint's implementation
+        self._stored_impl = cast(OptimizerImpl, stored.value) if stored is not None else None
         if measured and "precision" in measured and self.options.precision == "auto":
             found = measured["precision"]
             one_of("measured precision", found.value, PRECISIONS)
@@ -265,8 +269,9 @@ class Runtime(RunState):
         if facts.has_state:  # loading its own state casts the moments onto the parameters' device
             built.load_state_dict(built.state_dict())
         impl, built = pick_implementation(
-            built, facts, self.facts, sharded=strategy.value == "fsdp", deterministic=self.options.deterministic
-        )
+            built, facts, self.facts, sharded=strategy.value == "fsdp", deterministic=self.options.deterministic,
+            stored=self._stored_impl,
+        )  # fmt: skip
         planned = compile_planned(
             model, self.options, self.facts, planned_steps=self.planned_steps, records=self._compile_records
         )
@@ -433,43 +438,6 @@ class Runtime(RunState):
     def skipped_steps(self) -> int:
         """fp16 optimizer steps the grad scaler skipped on overflow."""
         return self.precision.skipped_steps
-
-    # -- explaining ----------------------------------------------------------------------------
-
-    @property
-    def compile_seconds(self) -> float | None:
-        """Seconds spent compiling (the first compile and every recompile), once a compiled model has run."""
-        return compile_seconds(self._compile_records)
-
-    @property
-    def compile_checking(self) -> bool:
-        """Whether an automatic compile or CUDA graphs are still being checked on the run's first steps."""
-        return self._compile_check is not None and not self._compile_check.decided
-
-    @property
-    def graphed_forwards(self) -> int:
-        """Training forwards that replayed as CUDA graphs (runtime/graphs.py); 0 where none did."""
-        return self._graphs.replays if self._graphs is not None else 0
-
-    @property
-    def training_compile_seconds(self) -> float:
-        """Seconds spent compiling inside training steps (under autograd): a throughput leaves them out."""
-        return compile_seconds(self._compile_records, training=True) or 0.0
-
-    @property
-    def compiles(self) -> tuple[int, int, list[str]]:
-        """How many times the compiled models compiled, how many of those for training (under autograd; the
-        rest for evaluation, under no_grad), and why each recompile happened."""
-        return compile_counts(self._compile_records)
-
-    def explain(self) -> Plan:
-        """Return the resolved Plan: each axis with its value and the reason for it."""
-        plan = explain_forms(self._plan, self._compile_check, self._compile_records, self._graphs, self._kernels)
-        if self._layout.changed:  # since setup: the precision check's switch, or a forward that failed in NHWC
-            plan = dataclasses.replace(plan, channels_last=self._layout.shown)
-        if (note := unfused(self.optimizer)) is not None:  # fused SGD met a parameter's late first gradient
-            plan = dataclasses.replace(plan, optimizer=Choice("as given", note))
-        return plan
 
     def _check_forms(
         self, planned: Choice[bool], graphs: Choice[bool], model: nn.Module, strategy: str, *, second: bool

@@ -56,7 +56,7 @@ from redline.train.signals import StopOnSignal
 from redline.train.state import Position, Run, Window, eval_states
 from redline.train.summary import LOSS_WINDOW, TrainSummary, summarize, take_sample
 from redline.train.throughput import Throughput
-from redline.train.tuned import resumed_batch, use_tuned
+from redline.train.tuned import resumed_batch, resumed_choices, use_tuned
 
 __all__ = ["LOG_COLUMNS", "Trainer", "TrainingError"]
 
@@ -228,9 +228,8 @@ class Trainer:
         inside = run.micro_loss is not None
         run.hold_before_eval(eval_states(run.scheduler, self.early_stopping, self.best))
         stop = self._evaluate(run)
-        if not inside:  # evaluated: steps kept from here on hold what it moved (a step inside holds it to its end)
-            run.before_eval = None
-        if not stop:
+        run.before_eval = run.before_eval if inside else None  # steps kept from here hold what it moved (a step inside
+        if not stop:  # holds it to its end)
             return ""
         if self.out_dir:  # the step's checkpoint (again, if one was due) holds the stop: a rerun finds it
             if run.window.losses:  # a checkpoint must not hold a NaN
@@ -369,7 +368,8 @@ class Trainer:
     ) -> tuple[Runtime, nn.Module, Any, Any, Position]:
         if self.rt is not None:  # a second fit (or evaluate, then fit) starts from a fresh Runtime
             self.rt.close()
-        # Seeded before the model is built; the loop's own watchdog knows more phases.
+        # Seeded before the model is built; the loop's own watchdog knows more phases. A resume steps as it stepped.
+        measured = resumed_choices(found, measured)
         rt = Runtime(options, planned_steps=planned_steps, measured=measured, watch_hangs=False).start()
         rt.snapshot_dir = self.out_dir  # where an out-of-memory on CUDA leaves its memory snapshot
         self.rt = rt

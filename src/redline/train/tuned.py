@@ -12,11 +12,14 @@ reasons say the values were tuned, when, and by which numbers. A resumed run kee
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, get_args
 
 from redline.checkpoint import Checkpoint, load_plan
 from redline.errors import ConfigError, RedlineError
 from redline.parallel.env import DistEnv
+from redline.plan import Choice
+from redline.plan.optimizer import OptimizerImpl
 from redline.runtime.cache import cache_dir
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.tuned import MICRO_BATCHES
@@ -78,3 +81,15 @@ def resumed_batch(found: Checkpoint | None, batch_size: int) -> int:
     if MICRO_BATCHES in str(accum.get("reason", "")) and "tuned" in str(accum.get("reason", "")):
         return batch_size // int(accum.get("value", 1))
     return batch_size
+
+
+def resumed_choices(
+    found: Checkpoint | None, measured: Mapping[str, Choice[str]] | None
+) -> Mapping[str, Choice[str]] | None:
+    """``measured`` for the Runtime of a run resumed from ``found``, with the optimizer implementation its checkpoint
+    stepped with (a timing now could choose otherwise, on a busy machine, and the two round differently: the resumed
+    run would not end as the unbroken one). A new run (``found`` None) takes ``measured`` as it is."""
+    stored = load_plan(found).get("optimizer", {}) if found is not None else {}
+    if stored.get("value") not in get_args(OptimizerImpl):  # a Plan of an earlier version without the row
+        return measured
+    return {**(measured or {}), "optimizer": Choice(str(stored["value"]), str(stored.get("reason", "")))}
