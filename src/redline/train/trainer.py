@@ -26,7 +26,7 @@ from torch.utils.data import default_collate
 
 from redline import checkpoint
 from redline.checkpoint import Checkpoint
-from redline.errors import ConfigError, TrainingError
+from redline.errors import TrainingError
 from redline.hardware.device import probe_accelerators
 from redline.parallel.collectives import StopVote
 from redline.parallel.env import join_process_group, mark_finished, read_env
@@ -45,8 +45,9 @@ from redline.train.best import best_weights
 from redline.train.callbacks import Callback, call_hooks, check_callbacks, warn_if_stopping_cannot_act
 from redline.train.config import TrainerConfig
 from redline.train.data import fixed_shapes, job_size, no_batch, plan_length, train_loader
-from redline.train.evaluation import check_val_data, evaluate_model, predict_outputs
+from redline.train.evaluation import check_val_data, evaluate_model
 from redline.train.failures import check_finite, keeping_steps, step_failure
+from redline.train.inference import TrainedModel
 from redline.train.lock import holding_out_dir
 from redline.train.logs import TRAIN_COLUMNS as LOG_COLUMNS
 from redline.train.output import prepare_out_dir, write_results
@@ -61,7 +62,7 @@ from redline.train.tuned import resumed_batch, resumed_choices, use_tuned
 __all__ = ["LOG_COLUMNS", "Trainer", "TrainingError"]
 
 
-class Trainer:
+class Trainer(TrainedModel):
     """Train a Task with checkpoints, exact resume, logs, progress, throughput and MFU.
 
     Pass a ``TrainerConfig`` or its fields as keywords (``Trainer(task, max_steps=100)``); the
@@ -472,29 +473,3 @@ class Trainer:
         with run.meter.excluded("callbacks"):
             call_hooks(self.callbacks, "on_evaluate", self, run.pos.step, run.metrics)
         return stop
-
-    # -- evaluate and predict --------------------------------------------------------------------
-
-    def evaluate(self) -> dict[str, float | None]:
-        """Return validation loss and metric of the trained model (or of a fresh/resumed one)."""
-        if self.task.val_data is None:
-            raise ConfigError(f"task {self.task.name!r} has no val_data to evaluate on")
-        rt, model = self._ready()
-        return evaluate_model(self.task, model, rt, max(1, self.batch_size // self.env.world_size), self.env)
-
-    def predict(self, data: Any, batch_size: int | None = None) -> Any:
-        """Return the model's outputs for ``data`` (a Dataset of inputs or of (inputs, targets)), on CPU: a
-        tensor, or the tuple, list or dict of tensors the model returns. An item that is a tuple is read as
-        (inputs, targets): a model of several inputs takes items ((a, b),) or ((a, b), targets). A Task's
-        collate_fn batches items of the kind the Task's data holds, as in training; bare inputs (a tensor or array
-        each, where the Task's items are pairs, tuples or dicts) are stacked (``predict_outputs``)."""
-        rt, model = self._ready()
-        size = self.batch_size if batch_size is None else batch_size
-        return predict_outputs(model, rt, data, size, task=self.task)
-
-    def _ready(self) -> tuple[Runtime, nn.Module]:
-        if self.rt is None or self.model is None:
-            found = self._find_resume()  # a resumed Trainer evaluates the checkpoint's model
-            self._setup(resume.resumed_options(self.options, found, self.env), found, planned_steps=1)
-        assert self.rt is not None and self.model is not None
-        return self.rt, self.model
