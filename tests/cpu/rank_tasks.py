@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import signal
 
 import torch
 from torch import nn
@@ -40,3 +42,17 @@ class FailsEvaluatingOnRank1(nn.Linear):
 def eval_fails() -> redline.Task:
     """A model whose evaluation raises on rank 1: rank 0 is left in the evaluation's all-reduce."""
     return tiny(model=FailsEvaluatingOnRank1)
+
+
+def eval_signal() -> redline.Task:
+    """Rank 1 alone is sent SIGINT in the middle of the evaluation at step 2 (its metric's third call: the first is
+    val_data's first batch, checked after step 1, and each evaluation is 4 batches of 4 on each rank)."""
+    calls = [0]
+
+    def metric(outputs: torch.Tensor, targets: torch.Tensor) -> float:
+        calls[0] += 1
+        if RANK == 1 and calls[0] == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return float((outputs.argmax(-1) == targets).float().mean())
+
+    return dataclasses.replace(tiny(), metric=metric)

@@ -218,6 +218,16 @@ class StopVote:
         self._pending = (torch_dist.all_reduce(flags, group=self.group, async_op=True), flags)
         return agreed
 
+    def now(self, stop: bool) -> bool:
+        """Whether any rank was asked to stop, agreed at once (a blocking sum on the vote's group): after an
+        evaluation, which every rank runs at the same step, a signal that came during it stops the run there, not a
+        vote after the next step. One process answers ``stop``."""
+        if self.group is None:
+            return stop
+        flags = torch.tensor([float(stop)])
+        torch_dist.all_reduce(flags, group=self.group)  # after the pending vote's sum, in order on every rank
+        return bool(flags[0].item() > 0)
+
     def pace(self, step_seconds: float) -> None:
         """Set the voting interval from the step time, which must be the same number on every rank."""
         self.every = vote_interval(step_seconds)

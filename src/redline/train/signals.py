@@ -92,13 +92,14 @@ class StopOnSignal:
         if first_to_say(message):
             log.warning("%s", message)
 
-    def announce(self, checkpointing: bool = True) -> None:
-        """Log, once per signal and outside the handler, that the run stops after this step (and whether a
-        checkpoint follows); under the launcher, once for the workers of a machine, whose signal is the same."""
+    def announce(self, checkpointing: bool = True, *, after: str = "this step") -> None:
+        """Log, once per signal and outside the handler, that the run stops ``after`` this step (or evaluation; and
+        whether a checkpoint follows); under the launcher, once for the workers of a machine, whose signal is the
+        same."""
         if self.received is not None and self.received != self._announced:
             self._announced = self.received
             then = "then writing a checkpoint" if checkpointing else NO_CHECKPOINT
-            message = f"{signal.Signals(self.received).name}: stopping after this step, {then}"
+            message = f"{signal.Signals(self.received).name}: stopping after {after}, {then}"
             if first_to_say(message):
                 log.warning("%s", message)
 

@@ -214,6 +214,8 @@ class Trainer(TrainedModel):
         eval_due = self.config.eval_every and step % self.config.eval_every == 0 and self.task.val_data is not None
         if eval_due and self._evaluate(run):
             stopped = stopped or "early stopping"
+        elif eval_due and not stopped:  # a signal that came during the evaluation stops the run here
+            stopped = run.stopped = self._signalled_in_eval(run)
         if self.out_dir and (due_ckpt or stopped):
             run.last_ckpt = self._checkpoint(run, stopped)
         if not run.window.losses:  # the next log window times steps, not this evaluation or checkpoint
@@ -229,9 +231,10 @@ class Trainer(TrainedModel):
         inside = run.micro_loss is not None
         run.hold_before_eval(eval_states(run.scheduler, self.early_stopping, self.best))
         stop = self._evaluate(run)
-        run.before_eval = run.before_eval if inside else None  # steps kept from here hold what it moved (a step inside
-        if not stop:  # holds it to its end)
-            return ""
+        if not inside:  # evaluated: steps kept from here on hold what it moved (a step inside holds it to its end)
+            run.before_eval = None
+        if not stop:  # a signal that came during the evaluation stops the run here, at a step's end
+            return "" if inside else self._signalled_in_eval(run)
         if self.out_dir:  # the step's checkpoint (again, if one was due) holds the stop: a rerun finds it
             if run.window.losses:  # a checkpoint must not hold a NaN
                 self._flush(run)
@@ -239,6 +242,16 @@ class Trainer(TrainedModel):
                 run.back_to_step_start()
             run.last_ckpt = self._checkpoint(run, "early stopping")
         return "early stopping"
+
+    def _signalled_in_eval(self, run: Run) -> str:
+        """Why the run stops after an evaluation during which SIGTERM or SIGINT came to any rank (agreed by every rank
+        at once), or "": else it would train one more step before a vote saw the signal, with nothing said."""
+        if not run.vote.now(self._signals.received is not None):
+            return ""
+        self._signals.announce(checkpointing=self.out_dir is not None, after="this evaluation")
+        if run.window.losses:  # a checkpoint must not hold a NaN
+            self._flush(run)
+        return self._signals.reason(self.env.distributed)
 
     def _keep_steps(self, run: Run) -> str | None:
         """Checkpoint the steps since the last checkpoint (all ranks together); return where they are."""
