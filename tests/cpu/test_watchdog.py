@@ -80,6 +80,7 @@ def test_ranks_waiting_in_one_collective_with_different_operations_are_a_mismatc
     hint = hang.message.splitlines()[-1]
     assert hint.startswith("hint: a collective called on some ranks only (e.g. rt.save under `if rank == 0`")
     assert "raise --hang-timeout" not in hint
+    assert "ranks that ran different numbers of steps (a loop over data of another length on each rank" in hint
     same = {r: dataclasses.replace(p, collective="in #10 gloo:all_reduce(float[29066])") for r, p in records.items()}
     assert "mismatch" not in str(diagnose(same, now=NOW, timeout_s=8, world_size=2))
 
@@ -402,3 +403,39 @@ def test_under_torchrun_the_failure_summary_carries_the_diagnosis(tmp_path: Path
 
 if __name__ == "__main__":
     worker(Path(sys.argv[1]))
+
+
+class _Beats:
+    """A stand-in watchdog that records each beat."""
+
+    def __init__(self) -> None:
+        self.beats: list[tuple[int, str]] = []
+
+    def beat(self, step: int, where: str) -> None:
+        self.beats.append((step, where))
+
+    def __enter__(self) -> _Beats:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def test_a_rank_reading_its_next_batch_is_said_to_be_reading_it_not_in_the_last_steps_backward(monkeypatch) -> None:
+    # A rank stuck in its dataset's __getitem__ after step 12 was reported in 'forward and backward (gradient
+    # all-reduce)' of step 12, which sent the user to DDP's communication instead of their data.
+    import redline
+    from redline.train import trainer as trainer_module
+
+    beats = _Beats()
+    monkeypatch.setattr(trainer_module, "hang_watchdog", lambda *args: beats)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randint(0, 2, (32,)))
+    task = redline.Task(model=lambda: torch.nn.Linear(4, 2), loss_fn=torch.nn.functional.cross_entropy,
+                        train_data=data, batch_size=8)  # fmt: skip
+    with trainer_module.Trainer(task, max_steps=3, progress=False, trial="off") as trainer:
+        trainer.fit()
+    reading = [step for step, where in beats.beats if where.startswith("reading the next batch")]
+    assert reading[:3] == [1, 2, 3]
+    for step in (1, 2, 3):  # each step's batch is read before its forward
+        at = beats.beats.index((step, "forward and backward (gradient all-reduce)"))
+        assert beats.beats[at - 1][1].startswith("reading the next batch") and beats.beats[at - 1][0] == step

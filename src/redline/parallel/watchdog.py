@@ -134,7 +134,9 @@ def _describe(
         head = f"collective mismatch: {mismatch}"
         hint = (
             "a collective called on some ranks only (e.g. rt.save under `if rank == 0`: every rank must call it), "
-            "or in another order: every rank must issue the same collectives; no --hang-timeout ends this wait"
+            "or in another order, or ranks that ran different numbers of steps (a loop over data of another length "
+            "on each rank: rt.setup_loader gives each rank an equal share of one dataset, not of each rank's own): "
+            "every rank must issue the same collectives; no --hang-timeout ends this wait"
         )
     limit = f"hang start timeout {timeout_s:g} s, for the set-up and first step" if starting else None
     lines = [f"hang: {head} ({limit or f'hang timeout {timeout_s:g} s'})"]

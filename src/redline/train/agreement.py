@@ -178,7 +178,10 @@ def _refuse_differences(every: list[dict[str, str]]) -> None:
     for name, first in every[0].items():
         other = next((rank for rank, theirs in enumerate(every) if theirs.get(name) != first), None)
         if other is not None:
-            data = " and build the same data on each (a split seeded by the rank differs)" if "data" in name else ""
+            data = (
+                " and build the same data on each (a split seeded by the rank differs; data drawn at random in the "
+                "task's factory needs --seed N, seed=N, which seeds every rank alike before the factory runs)"
+            ) if "data" in name else ""  # fmt: skip
             raise ConfigError(
                 f"the ranks of this job were given different settings: {name} is {first} on rank 0 and "
                 f"{every[other].get(name)} on rank {other}; they would train apart, or wait for each other until "

@@ -305,6 +305,7 @@ class Run:
         while True:
             if self.micro_loss is None:
                 self.begin_step()
+            self.beat("reading the next batch (train_data, collate_fn, loader workers)", step=self.pos.step + 1)
             try:
                 batch = next(batches)
             except StopIteration:
