@@ -199,10 +199,11 @@ def invalid(name: str, value: object, allowed: str, hint: str = "") -> ConfigErr
 
 def nearest(value: object, allowed: Iterable[object]) -> object | None:
     """The allowed value a mistyped ``value`` most likely meant, or None: the one it begins (``bf16`` for
-    ``bf16-mixed``; of several, the closest in spelling), else the closest in spelling (``ddpp`` for ``ddp``)."""
+    ``bf16-mixed``; of several, the closest in spelling), else the closest in spelling (``ddpp`` for ``ddp``), case
+    aside (``TASKS`` for ``TASK``)."""
     if not isinstance(value, str) or not value:
         return None
-    named = {str(choice): choice for choice in allowed}
+    named = {str(choice).lower(): choice for choice in allowed}
     begun = [text for text in named if text.startswith(value.lower())]
     close = begun if len(begun) == 1 else difflib.get_close_matches(value.lower(), begun or named, n=1)
     return named[close[0]] if close else None

@@ -157,3 +157,19 @@ def test_an_item_that_fails_as_the_largest_are_looked_for_is_named_with_the_data
                                                 "ValueError: corrupt item 50") as failed:  # fmt: skip
         redline.find_batch_size(task, options=redline.RuntimeOptions(devices="cpu", precision="fp32"), max_batch_size=2)
     assert "hint: the error is in the dataset's own code" in str(failed.value)
+
+
+def test_a_batch_of_texts_the_model_tokenizes_itself_is_told_by_their_count_and_longest():
+    # The note ended "traced on the 8 largest of 50 samples: " with nothing after it
+    from redline.memory.sample import trace_batch
+
+    words = [("word " * n).strip() for n in range(1, 51)]
+    items = [(text, torch.tensor(float(len(text)))) for text in words]
+
+    def collate(batch):
+        return [text for text, _ in batch], torch.stack([target for _, target in batch])
+
+    _, _, note = trace_batch(items, 8, collate)
+    assert note == (
+        "samples differ in size: traced on the 8 largest of 50 samples: 8 texts, the longest 249 characters",
+    )

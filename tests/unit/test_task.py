@@ -1042,3 +1042,17 @@ def test_a_module_that_cannot_be_copied_is_refused_with_the_factory_to_pass_inst
     assert str(e.value).endswith("hint: pass the factory that builds it instead: model=lambda: Locked(...), or "
                                  "model=Locked where it takes no arguments")  # fmt: skip
     assert isinstance(tiny_task(model=Locked).build_model(), Locked)
+
+
+def test_a_mistyped_name_lists_and_suggests_a_task_the_module_built_as_it_was_imported(tmp_path: Path) -> None:
+    # `--task tasks.py:TASKS` listed only the functions ("defined there: needs"), leaving out the TASK it trains
+    made = tmp_path / "built.py"
+    made.write_text(
+        "import torch\nfrom torch import nn\nimport redline\n\n\ndef needs(x):\n    return x\n\n\n"
+        "TASK = redline.Task(model=nn.Linear(2, 1), loss_fn=nn.functional.mse_loss,\n"
+        "                    train_data=torch.utils.data.TensorDataset(torch.randn(4, 2), torch.randn(4, 1)))\n"
+    )
+    with pytest.raises(TaskSpecError) as info:
+        load_task(f"{made}:TASKS")
+    assert "defined there: TASK, needs" in str(info.value)
+    assert f"hint: did you mean '{made}:TASK'?" in str(info.value)

@@ -133,6 +133,9 @@ def _shapes(batch: Any) -> str:
     leaves, _ = tree_flatten_with_path(inputs)
     shown = [f"{_name(path)} {tuple(leaf.shape)}" for path, leaf in leaves if isinstance(leaf, torch.Tensor)]
     more = f" and {len(shown) - _SHAPES_SHOWN} more" if len(shown) > _SHAPES_SHOWN else ""
+    if not shown:  # inputs the model takes as they come (texts it tokenizes itself): their count and longest
+        texts = [len(leaf) for _, leaf in leaves if isinstance(leaf, str | bytes)]
+        return f"{len(texts)} texts, the longest {max(texts)} characters" if texts else f"{len(leaves)} input values"
     return ", ".join(shown[:_SHAPES_SHOWN]) + more
 
 

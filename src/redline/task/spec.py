@@ -46,6 +46,7 @@ def find_factory(spec: str) -> Callable[..., Any]:
         public = {n: v for n, v in vars(module).items() if callable(v) and not n.startswith("_")}
         own = sorted(n for n, v in public.items() if getattr(v, "__module__", None) == module.__name__)
         shown = own or sorted(public)  # what the file defines, not what it imported (torch's classes, say)
+        shown = sorted([*shown, *(n for n, v in vars(module).items() if isinstance(v, Task) and not n.startswith("_"))])
         near = nearest(factory_name, shown)
         hint = f"did you mean '{spec.rsplit(':', 1)[0]}:{near}'?" if near else "name a function that returns a Task"
         hint = _shadowed(module_name, module, factory_name) or hint

@@ -112,9 +112,12 @@ class BestWeights:
             return True
         if (not elsewhere and self.path.is_file()) or self._holds_ours(self._read_record(), later=True):
             return True  # here, or here since the out_dir moved: of this step or a later one (load_state_dict picks)
+        there = self._read_record(stored.parent) if elsewhere else None
+        replaced = there is not None and there["monitor"] == self.monitor and self.step is not None
+        gone = f"were replaced there by a later best (of step {there['step']})" if replaced and there else "are gone"
         log.warning(
-            "the checkpoint's best weights (%s, of step %s) are gone: --keep-best starts afresh, and the next "
-            "evaluation writes %s", stored, self.step, self.path,
+            "the checkpoint's best weights (%s, of step %s) %s: --keep-best starts afresh, and the next evaluation "
+            "writes %s", stored, self.step, gone, self.path,
         )  # fmt: skip
         return False  # the summary must never name a missing file
 
