@@ -590,6 +590,10 @@ def test_a_ctrl_c_before_the_loop_says_it_was_not_a_second_one_and_what_is_saved
     assert first.exit_code == 130
     assert str(first) == (
         f"interrupted by SIGINT, before its first checkpoint: nothing was saved under {tmp_path / 'run'}\n"
+        "hint: once it trains, one Ctrl-C stops the run after its step with a checkpoint; wait for it to be written"
+    )
+    second = aborted(LastCheckpoint(), tmp_path / "run", second=True)  # 20 steps trained: not "once it trains"
+    assert str(second).endswith(
         "hint: one Ctrl-C stops the run after the step or evaluation under way, with a checkpoint of its steps; wait "
         "for it to be written"
     )

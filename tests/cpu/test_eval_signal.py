@@ -52,6 +52,8 @@ def fit(made: redline.Task, out, **kwargs) -> redline.TrainSummary:
     [
         ({"eval_every": 2, "max_steps": 6}, 2, [2, 4, 6]),  # every 2 steps: SIGINT in step 2's evaluation
         ({"eval_every": None, "max_steps": 12}, 6, [6, 12]),  # at each epoch's end (6 steps): in epoch 1's
+        # a checkpoint due at the epoch's last step is written before its evaluation: written again, holding it
+        ({"eval_every": None, "max_steps": 12, "checkpoint_every": 6}, 6, [6, 12]),
     ],
 )
 def test_a_ctrl_c_during_an_evaluation_stops_the_run_after_it_and_the_resume_ends_as_an_unbroken_run(
@@ -63,6 +65,8 @@ def test_a_ctrl_c_during_an_evaluation_stops_the_run_after_it_and_the_resume_end
     assert (stopped.steps, stopped.stopped) == (stops_at, "signal SIGINT"), "not after the next step"
     assert "SIGINT: stopping after this evaluation, then writing a checkpoint" in caplog.text
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == [f"step-{stops_at:08d}"]
+    kept = torch.load(tmp_path / "run" / "checkpoints" / f"step-{stops_at:08d}" / "extra.pt", weights_only=False)
+    assert (kept["stopped"], kept["evaluated"]) == ("signal SIGINT", True), "the resume need not evaluate it again"
     resumed = fit(signalling_task(0), tmp_path / "run", resume="auto", **when)
     assert resumed.steps == when["max_steps"] and resumed.val_loss == unbroken.val_loss
     a, b = load_file(tmp_path / "unbroken" / "model.safetensors"), load_file(tmp_path / "run" / "model.safetensors")

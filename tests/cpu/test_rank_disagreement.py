@@ -66,13 +66,22 @@ def broken(*args, **kwargs):
 @pytest.mark.parametrize(
     ("where", "said"),
     [
-        # the sums' all-reduce, first met in val_data's first batch, checked after step 1
-        ("evaluation", "val_data's first batch, after step 1: a collective with the other ranks failed"),
+        ("evaluation", "evaluation at step 2: a collective with the other ranks failed"),  # the sums' all-reduce
+        # the same, first met in val_data's first batch, checked after step 1
+        ("val_data's check", "val_data's first batch, after step 1: a collective with the other ranks failed"),
         ("log window", "after step 2: a collective with the other ranks failed"),  # the losses' all-reduce
     ],
 )
 def test_a_collective_broken_between_steps_says_another_rank_stopped_first(monkeypatch, where, said):
-    if where == "evaluation":
+    if where == "evaluation":  # broken after the check's own sum
+        real, calls = evaluation.all_reduce_sum, [0]
+
+        def after_the_check(*args):
+            calls[0] += 1
+            return real(*args) if calls[0] == 1 else broken()
+
+        monkeypatch.setattr(evaluation, "all_reduce_sum", after_the_check)
+    elif where == "val_data's check":
         monkeypatch.setattr(evaluation, "all_reduce_sum", broken)
     else:
         monkeypatch.setattr(Run, "read_window", broken)

@@ -45,3 +45,20 @@ def test_a_resumed_run_keeps_its_checkpoints_optimizer_implementation(tmp_path, 
     assert resumed.plan.optimizer.reason.startswith("from checkpoint step 6: AdamW")
     a, b = load_file(tmp_path / "unbroken" / "model.safetensors"), load_file(tmp_path / "run" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "bitwise as the unbroken run"
+
+
+def test_a_checkpoint_of_another_kind_of_device_leaves_the_implementation_to_this_ones_rule(monkeypatch):
+    # A CUDA run's fused AdamW (by CUDA's rule) resumed on a CPU read "from checkpoint step 3: AdamW rebuilt fused:
+    # one kernel updates every parameter", untimed, where the CPU's timing decides
+    from redline.parallel.env import DistEnv
+    from redline.train import tuned
+
+    def plan_on(device: str) -> dict:
+        return {"device": {"value": device}, "optimizer": {"value": "fused", "reason": "AdamW rebuilt fused"}}
+
+    options = redline.RuntimeOptions(devices="cpu")
+    monkeypatch.setattr(tuned, "load_plan", lambda found: plan_on("cuda:0"))
+    assert tuned.resumed_choices(object(), None, options, DistEnv()) is None  # type: ignore[arg-type]
+    monkeypatch.setattr(tuned, "load_plan", lambda found: plan_on("cpu"))
+    kept = tuned.resumed_choices(object(), None, options, DistEnv())  # type: ignore[arg-type]
+    assert kept is not None and kept["optimizer"].value == "fused"

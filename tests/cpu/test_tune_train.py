@@ -4,6 +4,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import re
 import shlex
 import signal
@@ -32,7 +33,7 @@ from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
 from redline.runtime.trial import time_steps
 from redline.runtime.tuned import Candidate, Trial, TunedPlan, store_tuned
-from redline.runtime.tuned_run import find_tuned
+from redline.runtime.tuned_run import find_tuned, split_differs
 from redline.task import Task, load_task
 from redline.train.config import TrainerConfig
 from redline.train.trainer import Trainer
@@ -264,6 +265,13 @@ def test_a_compiled_tuned_micro_batching_is_taken_where_whole_batches_drop_the_s
     assert kept is not None and (kept.batch_size, kept.options.grad_accum) == (16, 1)
     assert "an epoch of 36 samples ends in a batch of 4, not 16" in kept.tuning.reasons["grad_accum"]["reason"]
     assert not refused_split(task, Candidate(compile=True), 2) and refused_split(task, Candidate(), 2)  # the tune's too
+    # 12 samples, fewer than a batch of 16: compiled, the whole batch of 12 trains each epoch (no whole batch to keep),
+    # where micro-batches of 8 drop 4 and step across epochs; taken, as 0 whole batches "dropped" nothing
+    small = untrained_task(12)
+    for epochs, steps in ((2.0, None), (math.inf, 5)):
+        assert "ends in a batch of 12, not 16" in split_differs(
+            small, 16, 2, 1, epochs=epochs, max_steps=steps, drop_last=True
+        )
 
 
 def test_a_tune_does_not_offer_micro_batches_the_run_it_prints_would_leave_out(monkeypatch, capsys):

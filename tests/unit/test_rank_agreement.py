@@ -136,7 +136,7 @@ def test_ranks_given_other_data_are_refused_naming_the_set(monkeypatch, theirs, 
     with pytest.raises(ConfigError, match="the ranks of this job were given different settings") as refused:
         check_beside(monkeypatch, mine, rank(TrainerConfig(max_steps=60), **theirs))
     assert named in str(refused.value) and "a split seeded by the rank differs" in str(refused.value)
-    assert "data drawn at random in the task's factory needs --seed N, seed=N" in str(refused.value)
+    assert "data drawn at random in the task's factory needs `redline train --seed N`" in str(refused.value)
 
 
 class Augmented(Dataset):

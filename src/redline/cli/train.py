@@ -275,8 +275,13 @@ def aborted(
         )
     return StoppedBySignal(
         signum,
-        f"{what}, before its first checkpoint: nothing was saved under {out_dir}\nhint: one Ctrl-C stops the run "
-        "after the step or evaluation under way, with a checkpoint of its steps; wait for it to be written",
+        f"{what}, before its first checkpoint: nothing was saved under {out_dir}\nhint: "
+        + (
+            "one Ctrl-C stops the run after the step or evaluation under way, with a checkpoint of its steps; wait for "
+            "it to be written"
+            if second
+            else "once it trains, one Ctrl-C stops the run after its step with a checkpoint; wait for it to be written"
+        ),
     )
 
 

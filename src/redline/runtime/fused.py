@@ -66,9 +66,9 @@ def pick_implementation(
 ) -> tuple[Choice[OptimizerImpl], torch.optim.Optimizer]:
     """The implementation ``optimizer`` steps with, and the optimizer rebuilt so where that is fused. On a CPU the
     two are timed first, unless the run is ``deterministic``, or resumes a checkpoint that ``stored`` its own. Under
-    several processes rank 0 decides, by its own
-    optimizer, and every rank takes its choice: a rank whose optimizer cannot be rebuilt (it has stepped) is refused
-    at once, where a rank deciding alone would step otherwise, or wait in a collective the others never enter."""
+    several processes rank 0 decides, by its own optimizer, and every rank takes its choice: a rank whose optimizer
+    cannot be rebuilt (it has stepped) is refused at once, where a rank deciding alone would step otherwise, or wait
+    in a collective the others never enter."""
 
     def decided() -> Choice[OptimizerImpl]:
         return _decide(optimizer, facts, device, sharded=sharded, deterministic=deterministic, stored=stored)

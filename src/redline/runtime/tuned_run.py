@@ -195,8 +195,9 @@ def split_differs(
     if size is None:
         return ""
     rest = size % batch_size
+    drop_last = drop_last and size >= batch_size  # a compiled run drops its partial batch where it has a whole one
     whole = batches_per_epoch(size, batch_size, world_size, drop_last=drop_last)
-    planned = min(epochs * whole, max_steps if max_steps is not None else math.inf)
+    planned = min(epochs * whole, max_steps if max_steps is not None else math.inf) if whole else 0
     if rest and (rest >= micro or not drop_last) and planned > size // batch_size:
         return (
             f"an epoch of {size} samples ends in a batch of {rest}, not {batch_size}, which micro-batches of {micro} "

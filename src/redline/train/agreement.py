@@ -180,7 +180,8 @@ def _refuse_differences(every: list[dict[str, str]]) -> None:
         if other is not None:
             data = (
                 " and build the same data on each (a split seeded by the rank differs; data drawn at random in the "
-                "task's factory needs --seed N, seed=N, which seeds every rank alike before the factory runs)"
+                "task's factory needs `redline train --seed N`, which seeds every rank alike before the factory runs, "
+                "or, in Python, torch.manual_seed(N) before the Task is built)"
             ) if "data" in name else ""  # fmt: skip
             raise ConfigError(
                 f"the ranks of this job were given different settings: {name} is {first} on rank 0 and "

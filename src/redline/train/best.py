@@ -113,7 +113,7 @@ class BestWeights:
         if (not elsewhere and self.path.is_file()) or self._holds_ours(self._read_record(), later=True):
             return True  # here, or here since the out_dir moved: of this step or a later one (load_state_dict picks)
         there = self._read_record(stored.parent) if elsewhere else None
-        replaced = there is not None and there["monitor"] == self.monitor and self.step is not None
+        replaced = there is not None and there["monitor"] == self.monitor and there["step"] > (self.step or 0)
         gone = f"were replaced there by a later best (of step {there['step']})" if replaced and there else "are gone"
         log.warning(
             "the checkpoint's best weights (%s, of step %s) %s: --keep-best starts afresh, and the next evaluation "

@@ -94,15 +94,15 @@ def evaluate_model(
     return {"val_loss": total_loss / count, "val_metric": total_metric / count if task.metric else None}
 
 
-def check_val_data(task: Task, run: Run, batch_size: int, env: DistEnv) -> bool:
+def check_val_data(task: Task, run: Run, batch_size: int, env: DistEnv) -> None:
     """Evaluate val_data's first batch (``batch_size`` a rank) after the ``run``'s first step, so that a mistake in
     val_data, or in the loss or the metric on it, stops the run then, not at its first evaluation, after the training
     before it (after a step, not before: a model or loss that fails on train_data too is told of as the step's own
     failure). Nothing is logged, the time is left out of the step rates, and the random streams are put back (a
-    metric that draws leaves the run as it would have been). A stream of one pass (its ``__iter__`` gives the same
-    iterator each time) is not checked: the batch read would be missing from the first evaluation. True: checked."""
-    if task.val_data is None or (is_stream(task.val_data) and _one_pass(task.val_data)):
-        return True
+    metric that draws leaves the run as it would have been). A stream is not checked: one whose passes read one
+    source (a file it holds open, an iterator it keeps) would miss the batch read from its first evaluation."""
+    if task.val_data is None or is_stream(task.val_data):
+        return
     run.beat("val_data's first batch")
     where, saved = f"val_data's first batch, after step {run.pos.step}", capture_rng()
     try:
@@ -110,15 +110,6 @@ def check_val_data(task: Task, run: Run, batch_size: int, env: DistEnv) -> bool:
             evaluate_model(task, run.model, run.rt, batch_size, env, where=where, batches=1)
     finally:
         restore_rng(saved)
-    return True
-
-
-def _one_pass(stream: Any) -> bool:
-    """Whether ``stream`` gives one pass only: iterating it again goes on from where the last pass stopped."""
-    try:
-        return iter(stream) is iter(stream)
-    except TypeError:  # not iterable: the evaluation says so
-        return False
 
 
 def _in_step(

@@ -7,13 +7,10 @@ from typing import Any
 
 from torch import nn
 
-from redline.checkpoint import Checkpoint
 from redline.errors import ConfigError
 from redline.parallel.env import DistEnv
-from redline.runtime.options import RuntimeOptions
 from redline.runtime.runtime import Runtime
 from redline.task import Task
-from redline.train import resume
 from redline.train.evaluation import evaluate_model, predict_outputs
 
 
@@ -22,14 +19,12 @@ class TrainedModel:
 
     task: Task
     env: DistEnv
-    options: RuntimeOptions
     batch_size: int
     rt: Runtime | None
     model: nn.Module | None
 
-    def _find_resume(self) -> Checkpoint | None: ...  # the Trainer's
-
-    def _setup(self, options: RuntimeOptions, found: Checkpoint | None, planned_steps: int) -> Any: ...  # the Trainer's
+    def _ready(self) -> tuple[Runtime, nn.Module]:  # the Trainer's: its model, set up where it has not trained
+        raise NotImplementedError
 
     def evaluate(self) -> dict[str, float | None]:
         """Return validation loss and metric of the trained model (or of a fresh/resumed one)."""
@@ -47,10 +42,3 @@ class TrainedModel:
         rt, model = self._ready()
         size = self.batch_size if batch_size is None else batch_size
         return predict_outputs(model, rt, data, size, task=self.task)
-
-    def _ready(self) -> tuple[Runtime, nn.Module]:
-        if self.rt is None or self.model is None:
-            found = self._find_resume()  # a resumed Trainer evaluates the checkpoint's model
-            self._setup(resume.resumed_options(self.options, found, self.env), found, planned_steps=1)
-        assert self.rt is not None and self.model is not None
-        return self.rt, self.model

@@ -305,7 +305,8 @@ class Run:
         while True:
             if self.micro_loss is None:
                 self.begin_step()
-            self.beat("reading the next batch (train_data, collate_fn, loader workers)", step=self.pos.step + 1)
+            self.beat("reading the next batch (train_data, collate_fn, loader workers)")  # after this step: a rank
+            # stuck reading at an epoch's end is not ahead of one evaluating that step
             try:
                 batch = next(batches)
             except StopIteration:

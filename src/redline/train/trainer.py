@@ -198,8 +198,6 @@ class Trainer(TrainedModel):
     def _after_step(self, run: Run) -> str:
         """Log, evaluate and checkpoint when due (where the work is done, _finish does); return why the run stops."""
         step = run.pos.step
-        if not run.val_checked:  # val_data's first batch after the run's first step: a mistake in it stops it now
-            run.val_checked = check_val_data(self.task, run, self.batch_size // self.env.world_size, self.env)
         period_s = 60 * self.config.checkpoint_period_minutes if self.out_dir else 0.0
         timed = bool(period_s) and time.perf_counter() - run.checkpointed_at >= period_s
         agreed = run.vote.vote(self._signals.received is not None, step, checkpoint=timed)  # the same on every rank
@@ -212,6 +210,9 @@ class Trainer(TrainedModel):
             run.beat("logging (loss all-reduce)")
             self._flush(run)
         eval_due = self.config.eval_every and step % self.config.eval_every == 0 and self.task.val_data is not None
+        if not (run.val_checked or eval_due or stopped):  # val_data's first batch after the run's first step (unless
+            check_val_data(self.task, run, self.batch_size // self.env.world_size, self.env)  # it evaluates now)
+        run.val_checked = True  # a mistake in it stops the run now, not at its first evaluation
         if eval_due and self._evaluate(run):
             stopped = stopped or "early stopping"
         elif eval_due and not stopped:  # a signal that came during the evaluation stops the run here
@@ -234,7 +235,10 @@ class Trainer(TrainedModel):
         if not inside:  # evaluated: steps kept from here on hold what it moved (a step inside holds it to its end)
             run.before_eval = None
         if not stop:  # a signal that came during the evaluation stops the run here, at a step's end
-            return "" if inside else self._signalled_in_eval(run)
+            signalled = "" if inside else self._signalled_in_eval(run)
+            if signalled and self.out_dir:  # the step's checkpoint (again, if one was due) holds its evaluation
+                run.last_ckpt = self._checkpoint(run, signalled)
+            return signalled
         if self.out_dir:  # the step's checkpoint (again, if one was due) holds the stop: a rerun finds it
             if run.window.losses:  # a checkpoint must not hold a NaN
                 self._flush(run)
@@ -365,6 +369,7 @@ class Trainer(TrainedModel):
             total=total,
             loggers=loggers,
             owed_eval=resumed is not None and self._owed_eval,
+            val_checked=resumed is not None and self._owed_eval,  # evaluated whole before the first step
             progress=Progress(int(total), enabled=self.config.progress and main, start_step=pos.step),
             meter=Throughput(rt, self.task, world_size=self.env.world_size),
             vote=StopVote(),
@@ -383,7 +388,7 @@ class Trainer(TrainedModel):
         if self.rt is not None:  # a second fit (or evaluate, then fit) starts from a fresh Runtime
             self.rt.close()
         # Seeded before the model is built; the loop's own watchdog knows more phases. A resume steps as it stepped.
-        measured = resumed_choices(found, measured)
+        measured = resumed_choices(found, measured, options, self.env)
         rt = Runtime(options, planned_steps=planned_steps, measured=measured, watch_hangs=False).start()
         rt.snapshot_dir = self.out_dir  # where an out-of-memory on CUDA leaves its memory snapshot
         self.rt = rt
@@ -486,3 +491,10 @@ class Trainer(TrainedModel):
         with run.meter.excluded("callbacks"):
             call_hooks(self.callbacks, "on_evaluate", self, run.pos.step, run.metrics)
         return stop
+
+    def _ready(self) -> tuple[Runtime, nn.Module]:
+        if self.rt is None or self.model is None:
+            found = self._find_resume()  # a resumed Trainer evaluates the checkpoint's model
+            self._setup(resume.resumed_options(self.options, found, self.env), found, planned_steps=1)
+        assert self.rt is not None and self.model is not None
+        return self.rt, self.model

@@ -15,6 +15,8 @@ import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, get_args
 
+import torch
+
 from redline.checkpoint import Checkpoint, load_plan
 from redline.errors import ConfigError, RedlineError
 from redline.parallel.env import DistEnv
@@ -84,12 +86,20 @@ def resumed_batch(found: Checkpoint | None, batch_size: int) -> int:
 
 
 def resumed_choices(
-    found: Checkpoint | None, measured: Mapping[str, Choice[str]] | None
+    found: Checkpoint | None, measured: Mapping[str, Choice[str]] | None, options: RuntimeOptions, env: DistEnv
 ) -> Mapping[str, Choice[str]] | None:
-    """``measured`` for the Runtime of a run resumed from ``found``, with the optimizer implementation its checkpoint
-    stepped with (a timing now could choose otherwise, on a busy machine, and the two round differently: the resumed
-    run would not end as the unbroken one). A new run (``found`` None) takes ``measured`` as it is."""
-    stored = load_plan(found).get("optimizer", {}) if found is not None else {}
+    """``measured`` for the Runtime of a run resumed from ``found`` (under ``options``, resumed so), with the optimizer
+    implementation its checkpoint stepped with (a timing now could choose otherwise, on a busy machine, and the two
+    round differently: the resumed run would not end as the unbroken one), where it resumes on the same kind of device
+    (a CUDA run's fused kernel, taken by rule, is timed anew on a CPU). A new run takes ``measured`` as it is."""
+    plan = load_plan(found) if found is not None else {}
+    stored = plan.get("optimizer", {})
     if stored.get("value") not in get_args(OptimizerImpl):  # a Plan of an earlier version without the row
+        return measured
+    try:
+        same = torch.device(str(plan["device"]["value"])).type == worker_device(options, env)[1].type
+    except (KeyError, RuntimeError, RedlineError):  # no device row, or one torch cannot read: timed anew
+        same = False
+    if not same:
         return measured
     return {**(measured or {}), "optimizer": Choice(str(stored["value"]), str(stored.get("reason", "")))}
