@@ -709,3 +709,6 @@ def test_a_resume_into_processes_its_batch_does_not_split_across_names_the_count
         Position(step=40, batch_size=batch).check_batch_size(batch, found, world_size=world)  # type: ignore[arg-type]
     assert f"hint: resume in {told} (--nproc)" in str(e.value)
     Position(step=40, batch_size=batch).check_batch_size(batch, found, world_size=1)  # type: ignore[arg-type]
+    # another batch asked (the task's default): it said "resume with --batch-size 7", which --nproc 2 refuses
+    with pytest.raises(ConfigError, match=re.escape(f"hint: resume in {told} (--nproc)")):
+        Position(step=40, batch_size=batch).check_batch_size(batch + 1, found, world_size=world)  # type: ignore[arg-type]

@@ -227,7 +227,8 @@ class Position:
         """
         if found is None or not self.batch_size:
             return
-        if self.batch_size == batch_size and batch_size % world_size:  # the batch cannot change: the processes can
+        if self.batch_size % world_size:  # the batch cannot change, the processes can (whatever batch this run asks
+            batch_size = self.batch_size  # for: --batch-size of the stored one would be refused as unsplittable)
             counts = [n for n in range(1, batch_size + 1) if batch_size % n == 0]
             near = [str(n) for n in sorted(sorted(counts, key=lambda n: abs(n - world_size))[:3])]
             told = f"{', '.join(near[:-1])} or {near[-1]} processes" if len(near) > 1 else "1 process"
