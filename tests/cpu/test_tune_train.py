@@ -152,6 +152,25 @@ def test_a_tuned_micro_batch_keeps_the_batch_per_step_and_survives_a_resume(tmp_
     assert again.batch_size == 16 and resumed.steps == 5 and resumed.samples == 5 * 32
 
 
+def test_a_tune_that_kept_one_batch_per_step_says_so_in_the_plan_tuned_runs():
+    # The row read "default: a step per batch", where the tune had timed 2 micro-batches and kept one (README: --plan
+    # tuned "says so in every reason, with the numbers")
+    task = mlp_task()
+    tuned = TunedPlan(
+        task=task.name, device="cpu", batch_size=task.batch_size, planned_steps=4, measured_at="2026-12-07 20:00 UTC",
+        best=Candidate(), reasons={"grad_accum": "one batch per step kept (7.81 ms/step; 2 micro-batches: 10.4)"},
+        trials=(Trial(Candidate(), 0.002),),
+    )  # fmt: skip
+    store_tuned(task.fingerprint(), probe_device(torch.device("cpu")), tuned)
+    with Trainer(task, TrainerConfig(max_steps=4, plan="tuned", progress=False)) as trainer:
+        row = trainer.fit().plan.grad_accum
+    assert (
+        row.value == 1
+        and row.reason.startswith("tuned 2026-12-07 20:00 UTC")
+        and "one batch per step kept" in row.reason
+    )
+
+
 def test_grad_accum_asked_as_the_tune_chose_it_runs_whole_batches_and_resumes_so(tmp_path):
     # --grad-accum 2 runs two whole batches a step; the tune's 2 splits one. The tune's reason went with the run's
     # value, so the resume halved the batch and was refused, its hint naming twice the batch the run had.

@@ -27,6 +27,8 @@ def test_a_compile_without_an_eager_row_to_compare_is_not_called_never_repaid():
     assert " 12/never " in beside
     repaid = dict(compiled, break_even_steps=1234.0)
     assert " 12/1,234 " in shown(result_of(eager, repaid))
+    # 11.17 steps' saving repays it: the 12th, not the 11th (after 11 steps 0.200 s of 0.2035 s are saved)
+    assert " 12/12 " in shown(result_of(eager, dict(compiled, break_even_steps=11.17)))
 
 
 def test_a_compile_torchs_on_disk_caches_served_is_marked_and_said_under_the_table():

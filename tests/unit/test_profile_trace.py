@@ -179,6 +179,11 @@ def test_what_the_plan_timed_here_and_ran_faster_without_is_not_proposed_again()
         "; compile may shorten it, and `redline tune` measures it (reduced precision ran slower here, as the Plan "
         "measured)"
     ), left
+    # a tune that did not try compiling (the planned run too short for any compile) measured nothing of it
+    short = dataclasses.replace(tuned, compile=Choice(False, "tuned 2026-12-07 for 14 steps: compile off kept, not "
+                                                      "tried: the planned 14 steps take 0.71 s eagerly"))  # fmt: skip
+    (untried,) = advise(breakdown(), short, env={}, anomaly=False)
+    assert "compile ran slower" not in untried and "compile may shorten it" in untried, untried
 
 
 def test_a_device_without_a_fast_reduced_precision_is_not_told_to_try_one():

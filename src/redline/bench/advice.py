@@ -132,5 +132,8 @@ def _arithmetic_bound(plan: Plan, shares: dict[str, float], *, fast: Sequence[st
 
 
 def measured(choice: Choice[Any] | None) -> bool:
-    """Whether a Plan row was decided by timing its candidates on this machine (auto's trial, or a tune)."""
-    return choice is not None and choice.reason.startswith(("measured", "tuned "))
+    """Whether a Plan row was decided by timing its candidates on this machine (auto's trial, or a tune; not a tune's
+    axis whose alternatives it did not try: a compile for a planned run shorter than any compile takes)."""
+    if choice is None or "not tried" in choice.reason:
+        return False
+    return choice.reason.startswith(("measured", "tuned "))

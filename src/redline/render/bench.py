@@ -282,8 +282,8 @@ def repaid_after(row: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]) -> s
     faster than the eager row of its precision), "-" (no such eager row to compare with), or "kept eager" (a
     compile the run's check paid, then dropped)."""
     steps = row.get("break_even_steps")
-    if steps is not None:
-        return f"{steps:,.0f}"
+    if steps is not None:  # the first whole step by which the time saved repays the compile: 11.17 is 12, not 11
+        return f"{math.ceil(steps - 1e-9):,}"
     if row.get("compile") is False:  # an auto row whose check compiled, then kept the eager model
         return KEPT_EAGER
     same = ("device", "precision", "batch_size")

@@ -121,8 +121,8 @@ def find_tuned(task: Task, options: RuntimeOptions, batch_size: int, env: DistEn
     split = applied.grad_accum != options.grad_accum  # the tune's micro-batches split the batch; a user's add batches
     micro = batch_size // applied.grad_accum if split else batch_size
     reasons = tuned.plan_reasons(applied)
-    if not split:  # --grad-accum K runs K whole batches a step, the tune's K parts of one: its reason is not this run's
-        reasons.pop("grad_accum", None)
+    if not split and options.given("grad_accum"):  # --grad-accum K runs K whole batches a step, the tune's K parts of
+        reasons.pop("grad_accum", None)  # one: its reason is not this run's (a tune that kept 1 keeps its own)
     note = f"tuned {tuned.measured_at} for {tuned.planned_steps} steps"
     found = TunedRun(applied, micro, Tuning(reasons, note), tuned.planned_steps)
     if split and micro % env.world_size:  # a one-process tune is found by `train --nproc N` too: its key has no threads
