@@ -25,6 +25,7 @@ from redline.plan.compile import resolve_compile
 from redline.runtime.compiler_facts import (
     NEW_FRAME,
     backward_with_forward,
+    captured_graphs,
     compiled_frames,
     frames,
     graphs_held,
@@ -284,6 +285,39 @@ def _eager_instead(
     return out
 
 
+def _count_compile(record: CompileRecord, start: float, backward_before: float) -> None:
+    """Count a call of ``record``'s compiled forward that compiled (from ``start``), and say a recompile: in training
+    a cost paid again mid-run (a warning), for evaluation its own graph once, an inference engine's bucket planned."""
+    training = torch.is_grad_enabled()
+    cause = (last_guard_failure(record.code) or NEW_FRAME) if record.compiles else ""
+    if training:
+        _BackwardCompiles.compiled_for_training(record, backward_before)
+    record.add(time.perf_counter() - start, cause, training=training)
+    if record.compiles > 1:
+        again = training and record.training > 1 and cause != NEW_FRAME  # a frame's first compile is no repeat
+        level = logging.DEBUG if record.per_bucket else logging.WARNING if again else logging.INFO
+        name, cause = type(record.module).__name__, record.recompiles[-1]
+        log.log(level, "torch.compile compiled %s again: %s%s", name, cause, recompile_hint(cause))
+
+
+def _captured_nothing(record: CompileRecord, start: float, breaks_before: list[str], out: Any) -> Any:
+    """``out``, from a first compile that captured no graph of ops (an LSTM, which torch.compile cannot trace, makes
+    the whole forward one graph break): the model ran as its own forward, and runs so from then on, said once, and
+    the Plan's compile row says compile failed, as where the compiler raised (a bench row so must not pass for
+    compiled)."""
+    model = record.module
+    assert model is not None  # compile_module's record holds its module
+    spent = time.perf_counter() - start
+    new = [reason for reason in captured_graphs()[1] if reason not in breaks_before]
+    why = f": {new[0].strip().splitlines()[0]}" if new else ""
+    record.fell_back = f"torch.compile captured no graph of {type(model).__name__}'s forward{why}"
+    record.seconds = (record.seconds or 0.0) + spent
+    record.training_seconds += spent if torch.is_grad_enabled() else 0.0
+    log.warning("%s; running eagerly\nhint: pass compile='off' to skip the attempt", record.fell_back)
+    model.forward = record.eager
+    return out
+
+
 class _BackwardCompiles:
     """torch compiles a training graph's backward when it first runs, not with its forward (a second or more on a
     CPU), and times each such compile in its own metrics. The seconds they gained since the last look go to the
@@ -404,6 +438,7 @@ def compile_module(model: nn.Module, *, per_bucket: bool = False, **options: Any
         if torch.compiler.is_compiling():  # traced inside another compiled model's forward: that one compiles it
             return eager(*args, **kwargs)
         before, tried, start = compiled_frames(), frames("total"), time.perf_counter()
+        graphs_before, breaks_before = captured_graphs() if not record.compiles else (0, [])
         backward_before = _BackwardCompiles.total()
         record.calls += 1
         if graphs:
@@ -423,18 +458,10 @@ def compile_module(model: nn.Module, *, per_bucket: bool = False, **options: Any
         if not compiled_now and frames("total") != tried:  # tried, gave up, ran eagerly
             record.uncompiled += 1
             log.warning("torch.compile ran %s eagerly: it gave up compiling this call", type(model).__name__)
+        elif compiled_now and not record.compiles and not per_bucket and captured_graphs()[0] == graphs_before:
+            return _captured_nothing(record, start, breaks_before, out)
         elif compiled_now:
-            training = torch.is_grad_enabled()
-            cause = (last_guard_failure(record.code) or NEW_FRAME) if record.compiles else ""
-            if training:
-                _BackwardCompiles.compiled_for_training(record, backward_before)
-            record.add(time.perf_counter() - start, cause, training=training)
-            if record.compiles > 1:  # in training, a cost paid again mid-run; for evaluation, its own graph once
-                again = training and record.training > 1 and cause != NEW_FRAME  # a frame's first compile is no repeat
-                level = logging.WARNING if again else logging.INFO
-                level = logging.DEBUG if per_bucket else level
-                name, cause = type(model).__name__, record.recompiles[-1]
-                log.log(level, "torch.compile compiled %s again: %s%s", name, cause, recompile_hint(cause))
+            _count_compile(record, start, backward_before)
         return out
 
     model.forward = CompiledForward(counted, eager)

@@ -14,6 +14,16 @@ def compiled_frames() -> int:
     return frames("ok")
 
 
+def captured_graphs() -> tuple[int, list[str]]:
+    """How many graphs of ops torch.compile has captured in this process, and the graph breaks it has met (each
+    reason's text): a frame it "compiled" around an op it cannot trace (an LSTM) may hold no graph at all."""
+    try:
+        from torch._dynamo.utils import counters
+    except Exception:
+        return 0, []
+    return int(counters["stats"]["unique_graphs"]), list(counters["graph_break"])
+
+
 def frames(kind: str) -> int:
     """torch.compile's count of frames in this process: "ok" (compiled) or "total" (tried: compiled, or given up on)."""
     try:
