@@ -1031,3 +1031,26 @@ def test_the_command_tune_prints_for_a_stream_runs_the_steps_it_weighed(tmp_path
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["steps"] == 6 and summary["plan"]["grad_accum"]["value"] == 2
+
+
+def test_a_tune_searched_on_a_busy_machine_says_so_and_plain_auto_leaves_it(monkeypatch, caplog):
+    # A tune measured beside other work kept a loser (bf16 at 0.62x the naive loop on the quiet machine), and plain
+    # auto took it without a word
+    busy = "other processes kept 1.0 of the 2 CPU(s) it may run on busy"
+    monkeypatch.setattr("redline.bench.tune.search_space", lambda task, facts, **_: [("compile", [False, True])])
+    monkeypatch.setattr(
+        "redline.bench.tune._measure", lambda task, device, candidates, *a: [Trial(c, 0.01) for c in candidates]
+    )
+    monkeypatch.setattr("redline.bench.tune._busy", lambda sampler: busy)
+    task = mlp_task()
+    tuned, _ = tune(task, devices="cpu", budget_s=60)
+    assert tuned.busy == busy and TunedPlan.from_dict(tuned.to_dict()).busy == busy
+    assert tuned.reasons["budget"].endswith(f"; searched while {busy}: plain auto does not take it (--plan tuned "
+                                            "does); tune again on a quiet machine")  # fmt: skip
+    config = TrainerConfig(max_steps=2, progress=False)
+    with caplog.at_level(logging.INFO, logger="redline"):
+        assert use_tuned(task, config.runtime, task.batch_size, DistEnv(), config=config) is None
+    assert f"but it searched while {busy}" in caplog.text
+    asked = dataclasses.replace(config, plan="tuned")
+    found = use_tuned(task, asked.runtime, task.batch_size, DistEnv(), config=asked)
+    assert found is not None and "while other processes kept 1.0 of the 2 CPU(s)" in found.tuning.note

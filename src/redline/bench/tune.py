@@ -44,6 +44,7 @@ from redline.errors import (
     invalid,
     noting_interrupts,
 )
+from redline.hardware.contention import Sampler
 from redline.hardware.device import probe_accelerators, probe_device
 from redline.plan import Choice
 from redline.plan.attention import DEFAULT
@@ -52,6 +53,7 @@ from redline.runtime.attention import AttentionCall, attention_kernels, model_at
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.trial import Measured, judge
 from redline.runtime.tuned import (
+    BUSY_NOTE,
     MICRO_BATCHES,
     NOT_SEARCHED,
     Candidate,
@@ -133,6 +135,7 @@ def tune(
     interrupted = ""  # the axis a Ctrl-C (or SIGTERM) stopped: it and the axes after it are left to the run's auto
     signum = int(signal.SIGINT)
     unmeasured: list[str] = []  # the axes whose alternatives were not all measured: "kept" there decides nothing
+    sampler = Sampler().start()  # other processes' load on the CPUs while the candidates run
     with noting_interrupts() as noted:  # a Ctrl-C that Python drops inside the compile's callbacks is noted
         for index, (axis, values) in enumerate(axes):
             tell(index, len(axes), f"tuning {axis}")
@@ -179,10 +182,12 @@ def tune(
         reasons.update({axis: f"{NOT_SEARCHED}: {why}" for axis, why in skipped.items()})
         spent, stopped_by = time.perf_counter() - started, signal.Signals(signum).name if interrupted else ""
         reasons["budget"] = _budget_line(spent, budget_s, trials, len(axes), unmeasured, stopped_by)
+        busy = _busy(sampler)
+        reasons["budget"] += f"; {BUSY_NOTE.format(busy)}" * bool(busy)
         tuned = TunedPlan(
             task=task.name, device=device, batch_size=task.batch_size, planned_steps=planned,
             measured_at=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), best=best,
-            reasons=_plan_reasons(reasons), trials=tuple(trials), unmeasured=tuple(unmeasured),
+            reasons=_plan_reasons(reasons), trials=tuple(trials), unmeasured=tuple(unmeasured), busy=busy,
         )  # fmt: skip
         return tuned, cache_tune(tuned, fingerprint, facts, keyed, interrupted, signum)
 
@@ -192,6 +197,13 @@ def tune(
     except KeyboardInterrupt as exc:  # a signal as the ended search is cached: cache all of it, then stop as asked
         tuned, path = finish()  # (a search a signal stopped before raises its own TuneInterrupted from here)
         raise TuneInterrupted(tuned, path, "", tuned.unmeasured, interrupting_signal(exc)) from None
+
+
+def _busy(sampler: Sampler) -> str:
+    """How busy other processes kept the CPUs while the search ran, where that left its threads too few ("" where
+    not, or not known)."""
+    contention = sampler.stop(torch.get_num_threads())
+    return str(contention) if contention is not None and contention.contended else ""
 
 
 def _kernel_with_precision(best: Candidate, unmeasured: list[str], reasons: dict[str, str]) -> None:

@@ -32,6 +32,9 @@ from redline.task import model_fingerprint
 
 log = logging.getLogger("redline")
 MICRO_BATCHES = "micro-batches per step"  # how a tuned grad_accum's reason names it; a resumed run reads it
+# In a tune's budget line where other processes kept the CPUs busy while it searched: a neighbour slows some settings
+# far more than others (a bf16 step's threads wait for each other), so the winner may lose on a quiet machine.
+BUSY_NOTE = "searched while {}: plain auto does not take it (--plan tuned does); tune again on a quiet machine"
 TUNED_AXES = (
     "precision", "compile", "compile_mode", "cuda_graphs", "channels_last", "attention", "loader_workers", "grad_accum",
 )  # fmt: skip
@@ -119,6 +122,7 @@ class TunedPlan:
     reasons: dict[str, str]  # axis -> why the tune chose its value
     trials: tuple[Trial, ...]
     unmeasured: tuple[str, ...] = ()  # axes the tune did not decide (budget spent, Ctrl-C): left to the run's auto
+    busy: str = ""  # how busy other processes kept the CPUs while it searched, where that was enough to skew it
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -148,6 +152,7 @@ class TunedPlan:
         except ConfigError as exc:
             raise ValueError(f"its best setting is not one a run can take: {str(exc).splitlines()[0]}") from None
         unmeasured = _typed("'unmeasured'", entry.get("unmeasured", []), list)
+        busy = _kind("'busy'", entry.get("busy", ""), (str,))
         return cls(
             task=str(_field(entry, "task")), device=str(_field(entry, "device")),
             batch_size=_kind("'batch_size'", _field(entry, "batch_size"), (int,)),
@@ -155,6 +160,7 @@ class TunedPlan:
             measured_at=str(_field(entry, "measured_at")), best=best, reasons=dict(reasons), trials=tuple(trials),
             unmeasured=tuple(a for a in unmeasured if a in TUNED_AXES)
             + tuple(a for a in ("cuda_graphs", "attention") if a not in entry["best"]),  # tuned before they existed
+            busy=busy,
         )  # fmt: skip
 
     def apply(self, options: RuntimeOptions, facts: DeviceFacts | None = None) -> RuntimeOptions:

@@ -22,7 +22,7 @@ from redline.parallel.env import DistEnv
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.sampling import batches_per_epoch, job_size, untrained_batches
 from redline.runtime.seed import capture_rng, restore_rng
-from redline.runtime.tuned import MICRO_BATCHES, TUNED_AXES, TunedPlan, Tuning, load_tuned
+from redline.runtime.tuned import BUSY_NOTE, MICRO_BATCHES, TUNED_AXES, TunedPlan, Tuning, load_tuned
 from redline.runtime.workload import fingerprint_of, worker_device
 from redline.task import Task
 from redline.task.meta import on_meta
@@ -38,6 +38,7 @@ class TunedRun:
     batch_size: int  # per micro-batch: a tuned grad_accum runs the same batch per step as that many parts
     tuning: Tuning
     planned_steps: int = 0  # the run length the tune weighed compile by (0: not known)
+    busy: str = ""  # how busy other processes kept the CPUs while the tune searched, where that could skew it
 
 
 # A run this many times longer or shorter than the one a tune weighed does not take it under plain auto: a compile
@@ -89,6 +90,11 @@ def auto_tuned(
     and None where the run's ``planned_steps`` are more than ``TUNED_REACH`` times the tune's, or less than a
     ``TUNED_REACH``th of them (said once, with how to take the tune anyway)."""
     found = find_tuned(task, options, batch_size, env) if left_to_auto(options) else None
+    if found is not None and found.busy:  # its winner may lose on a quiet machine: --plan tuned still runs it
+        if env.is_main:
+            log.info("a tune of task %r is cached (%s), but it %s", task.name, found.tuning.note,
+                     BUSY_NOTE.format(found.busy))  # fmt: skip
+        return None
     if found is None or not planned_steps or not found.planned_steps or math.isinf(planned_steps):
         return found
     if 1 / TUNED_REACH <= planned_steps / found.planned_steps <= TUNED_REACH:
@@ -124,7 +130,8 @@ def find_tuned(task: Task, options: RuntimeOptions, batch_size: int, env: DistEn
     if not split and options.given("grad_accum"):  # --grad-accum K runs K whole batches a step, the tune's K parts of
         reasons.pop("grad_accum", None)  # one: its reason is not this run's (a tune that kept 1 keeps its own)
     note = f"tuned {tuned.measured_at} for {tuned.planned_steps} steps"
-    found = TunedRun(applied, micro, Tuning(reasons, note), tuned.planned_steps)
+    note += f", {tuned.busy.replace('other processes', 'while other processes')}" if tuned.busy else ""
+    found = TunedRun(applied, micro, Tuning(reasons, note), tuned.planned_steps, tuned.busy)
     if split and micro % env.world_size:  # a one-process tune is found by `train --nproc N` too: its key has no threads
         why = f"its micro-batch of {micro} does not split across the {env.world_size} processes"
         return whole_batch(found, options, batch_size, why, env)
