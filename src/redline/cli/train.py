@@ -41,7 +41,7 @@ from redline.train.output import check_run_files
 from redline.train.resume import refuse_before_launch
 from redline.train.signals import ResultsSkipped
 from redline.train.summary import TrainSummary
-from redline.train.throughput import UNTIMED
+from redline.train.throughput import NOT_COUNTED, UNTIMED
 from redline.train.trainer import Trainer
 from redline.train.tuned import TUNE_COMMAND
 
@@ -342,6 +342,15 @@ def _share(ratio: float) -> str:
     return f"{ratio:.1%}" if ratio >= 0.0005 or ratio <= 0 else "<0.1%"
 
 
+def _matmul_peak_row(summary: TrainSummary, no_mfu: str) -> list[tuple[str, str]]:
+    """The share of the measured matmul peak, where one was measured; why not, where the step's FLOPs could not be
+    counted (said, not left out: a missing row reads as a figure forgotten)."""
+    if summary.measured_peak_ratio is not None:
+        return [("of measured matmul peak", _share(summary.measured_peak_ratio))]
+    uncounted = summary.flops_per_step is None and NOT_COUNTED in (summary.mfu_note or "")
+    return [("of measured matmul peak", no_mfu)] if uncounted else []
+
+
 def summary_rows(summary: TrainSummary) -> list[tuple[str, str]]:
     """Return the summary's figures as (name, text) rows for a table."""
     if summary.epochs is None:
@@ -365,8 +374,7 @@ def summary_rows(summary: TrainSummary) -> list[tuple[str, str]]:
         rows.append(("tokens/s", f"{summary.tokens_per_s:,.0f}"))
     no_mfu = f"n/a ({summary.mfu_note})" if summary.mfu_note else "n/a"  # a summary.json from before the note: none
     rows.append(("MFU", f"{_share(summary.mfu)} of {summary.mfu_peak_tflops:g} TFLOP/s" if summary.mfu else no_mfu))
-    if summary.measured_peak_ratio is not None:
-        rows.append(("of measured matmul peak", _share(summary.measured_peak_ratio)))
+    rows += _matmul_peak_row(summary, no_mfu)
     rows.append(("train time", f"{summary.train_seconds:.1f} s end to end{stretch}{_spent(summary)}"))
     if summary.compile_seconds is not None:
         rows.append(("compile time", f"{summary.compile_seconds:.1f} s{stretch}"))

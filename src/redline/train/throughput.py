@@ -35,6 +35,7 @@ class Figures:
 
 UNTIMED = "no step after the first, which warms up and is not timed"  # why a run of one step has no rates
 UNTRAINED = "no step trained in this stretch"  # a resumed run with none left to train (it writes its results)
+NOT_COUNTED = "the step's FLOPs could not be counted"  # in the note of a run without MFU, where that is why
 
 
 class Throughput:
@@ -170,7 +171,7 @@ class Throughput:
             mfu=mfu(achieved, peak) if achieved is not None else None,
             peak_tflops=peak,
             measured_peak_ratio=measured,
-            mfu_note=None if peak is not None and achieved is not None else self._no_mfu(spec, flops),
+            mfu_note=None if peak is not None and achieved is not None else self._no_mfu(spec),
         )
 
     def _matmul_precision(self) -> str | None:
@@ -178,9 +179,14 @@ class Throughput:
         name = self.rt.precision.name
         return name if self._model is None else matmul_precision(name, self._model)
 
-    def _no_mfu(self, spec: GPUSpec | None, flops: float | None) -> str:
+    def _no_mfu(self, spec: GPUSpec | None) -> str:
         """Why the run has no MFU: no datasheet peak for its device and precision, or no FLOPs counted."""
         device, precision = self.rt.device.type, self._matmul_precision()
+        if self._model is not None and self._flops_per_sample is None:  # counted on the first step, and failed there
+            return (
+                f"{NOT_COUNTED}: they are counted on meta tensors, where this step does not run (a .item() or "
+                "another branch on the data's values)"
+            )
         if device != "cuda":
             return f"no datasheet peak for {'a CPU' if device == 'cpu' else device.upper()}"
         if precision is None and self._model is not None:
@@ -190,8 +196,6 @@ class Throughput:
             return f"{self.rt.facts.name} is a MIG slice of an {card.name}, whose share of the card's peak is unknown"
         if spec is None:
             return f"unknown GPU: {self.rt.facts.name}"
-        if flops is None:
-            return "the step's FLOPs could not be counted"
         return f"no datasheet peak for {precision} on {spec.name}"
 
     def _sync(self) -> None:
