@@ -1050,7 +1050,10 @@ def test_a_tune_searched_on_a_busy_machine_says_so_and_plain_auto_leaves_it(monk
     config = TrainerConfig(max_steps=2, progress=False)
     with caplog.at_level(logging.INFO, logger="redline"):
         assert use_tuned(task, config.runtime, task.batch_size, DistEnv(), config=config) is None
-    assert f"but it searched while {busy}" in caplog.text
+    assert (
+        "steps, while other processes kept 1.0 of the 2 CPU(s) it may run on busy): plain auto does not "
+        "take it (--plan tuned does)" in caplog.text
+    )
     asked = dataclasses.replace(config, plan="tuned")
     found = use_tuned(task, asked.runtime, task.batch_size, DistEnv(), config=asked)
     assert found is not None and "while other processes kept 1.0 of the 2 CPU(s)" in found.tuning.note

@@ -34,7 +34,8 @@ log = logging.getLogger("redline")
 MICRO_BATCHES = "micro-batches per step"  # how a tuned grad_accum's reason names it; a resumed run reads it
 # In a tune's budget line where other processes kept the CPUs busy while it searched: a neighbour slows some settings
 # far more than others (a bf16 step's threads wait for each other), so the winner may lose on a quiet machine.
-BUSY_NOTE = "searched while {}: plain auto does not take it (--plan tuned does); tune again on a quiet machine"
+NOT_TAKEN_BUSY = "plain auto does not take it (--plan tuned does); tune again on a quiet machine"
+BUSY_NOTE = "searched while {}: " + NOT_TAKEN_BUSY
 TUNED_AXES = (
     "precision", "compile", "compile_mode", "cuda_graphs", "channels_last", "attention", "loader_workers", "grad_accum",
 )  # fmt: skip

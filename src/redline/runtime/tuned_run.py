@@ -22,7 +22,7 @@ from redline.parallel.env import DistEnv
 from redline.runtime.options import RuntimeOptions
 from redline.runtime.sampling import batches_per_epoch, job_size, untrained_batches
 from redline.runtime.seed import capture_rng, restore_rng
-from redline.runtime.tuned import BUSY_NOTE, MICRO_BATCHES, TUNED_AXES, TunedPlan, Tuning, load_tuned
+from redline.runtime.tuned import MICRO_BATCHES, NOT_TAKEN_BUSY, TUNED_AXES, TunedPlan, Tuning, load_tuned
 from redline.runtime.workload import fingerprint_of, worker_device
 from redline.task import Task
 from redline.task.meta import on_meta
@@ -92,8 +92,7 @@ def auto_tuned(
     found = find_tuned(task, options, batch_size, env) if left_to_auto(options) else None
     if found is not None and found.busy:  # its winner may lose on a quiet machine: --plan tuned still runs it
         if env.is_main:
-            log.info("a tune of task %r is cached (%s), but it %s", task.name, found.tuning.note,
-                     BUSY_NOTE.format(found.busy))  # fmt: skip
+            log.info("a tune of task %r is cached (%s): %s", task.name, found.tuning.note, NOT_TAKEN_BUSY)
         return None
     if found is None or not planned_steps or not found.planned_steps or math.isinf(planned_steps):
         return found
