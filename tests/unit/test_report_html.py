@@ -142,13 +142,20 @@ def test_a_run_without_a_summary_is_drawn_from_its_logs(tmp_path):
         file.write('{"step": 31, "loss": NaN, "samples_per_s": 7000.0}\n')  # a diverged step, as json writes it
         file.write('{"step": 32, "loss": 1.0, "samp')  # the row the killed run was writing
     doc = run_report(run)
-    assert "no summary.json yet" in doc and "<h2>Plan</h2>" not in doc
+    assert "the run stopped at step 31, where its loss was not finite" in doc  # not "still going": it diverged
+    assert "still going" not in doc and "<h2>Plan</h2>" not in doc
     assert "31 steps." in doc
     assert "train loss over 30 points" in alts(doc)[0]  # NaN is a gap in the curve, not a broken chart
     assert "samples/s over 31 points, last 7,000" in alts(doc)[1]
     # the gap is at the end, where the curve cannot show it: the page says so
     assert "not finite (NaN or inf) at 1 of 31 logged steps, the first at step 31" in doc
     assert "the curve leaves them out, and the run diverged there." in doc
+
+
+def test_a_run_without_a_summary_whose_last_loss_is_finite_is_still_going_or_killed(tmp_path):
+    doc = run_report(write_run(tmp_path, summary=None))
+    assert "no summary.json yet, so the run is still going or was stopped before it ended" in doc
+    assert "where its loss was not finite" not in doc
 
 
 def test_a_validation_loss_that_is_not_finite_is_said_not_shown_as_not_evaluated(tmp_path):

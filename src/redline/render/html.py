@@ -92,6 +92,9 @@ def run_report(run_dir: str | os.PathLike[str]) -> str:
     elif files.older_summary:
         sub = f"{run_dir}: summary.json is older than {files.train_file} (an earlier run's, or the stretch before "
         sub += "a resume), so this run is still going or was stopped before it ended"
+    elif files.train and run_files.ends_not_finite(files.train, "loss"):  # a diverged run stops there, unsummed
+        sub = f"{run_dir}: no summary.json: the run stopped at step {files.train[-1]['step']}, where its loss was not "
+        sub += "finite (a run stopped by a NaN or inf loss writes no summary)"
     else:
         sub = f"{run_dir}: no summary.json yet, so the run is still going or was stopped before it ended"
     body = [paragraph("lead", _run_line(files)), *_run_charts(files)]
