@@ -152,6 +152,31 @@ def test_the_runtime_rebuilds_the_optimizer_fused_only_where_the_timing_says(mon
     assert hooked == [1]  # a rebuilt optimizer keeps the user's hooks
 
 
+def test_each_set_up_models_optimizer_is_explained_in_the_plans_row(monkeypatch):
+    """A GAN's Plan gave only the last set-up optimizer's row: the generator's choice went unexplained."""
+    monkeypatch.setattr(
+        fused, "time_fused", lambda opt: timing(1.0, 0.3 if isinstance(opt, torch.optim.AdamW) else 0.99)
+    )
+    generator, critic = nn.Linear(4, 4), nn.Sequential(nn.Linear(4, 1))
+    with Runtime(RuntimeOptions(devices="cpu")) as rt:
+        rt.setup(generator, lambda params: torch.optim.AdamW(params, lr=1e-3))
+        assert "Linear's" not in rt.explain().optimizer.reason  # one model: its own row, as before
+        rt.setup(critic, lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9))
+        row = rt.explain().optimizer
+        assert row.value == "fused / as given"
+        first, second = row.reason.split("; Sequential's SGD: as given, ")
+        assert first.startswith("Linear's AdamW: fused, AdamW rebuilt fused: it stepped 3.33x as fast")
+        assert "fused" in second and "Linear's" not in second
+        rt.setup(generator, lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9))  # a second phase
+        assert rt.explain().optimizer.reason.startswith("Linear's SGD: as given, ")  # the generator's new one, first
+    with Runtime(RuntimeOptions(devices="cpu")) as rt:  # two models of one class, one kind of optimizer
+        for model in (nn.Linear(4, 4), nn.Linear(4, 4)):
+            rt.setup(model, lambda params: torch.optim.AdamW(params, lr=1e-3))
+        row = rt.explain().optimizer
+    assert row.value == "fused" and row.reason.startswith("model 1's AdamW: fused, ")
+    assert "; model 2's AdamW: fused, " in row.reason
+
+
 def test_an_implementation_the_user_set_is_not_timed(monkeypatch):
     def untimed(optimizer):
         raise AssertionError("timed an optimizer whose implementation the user set")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 from torch import nn
@@ -38,7 +38,15 @@ class FormsReport:
     _graphs: GraphRecord | None
     _kernels: KernelCheck | None
     _layout: Layout
+    _models: list[nn.Module]
+    _optimizer_rows: list[OptimizerRow]
     optimizer: torch.optim.Optimizer | None
+
+    def _record_optimizer(self, model: nn.Module, row: OptimizerRow) -> None:
+        """Keep ``row``, how set-up ``model``'s optimizer steps, for the Plan: one per model (a GAN's two), the latest
+        optimizer of a model set up again."""
+        index = next(i for i, known in enumerate(self._models) if known is model)
+        self._optimizer_rows[index : index + 1] = [row]
 
     @property
     def compile_seconds(self) -> float | None:
@@ -71,9 +79,36 @@ class FormsReport:
         plan = explain_forms(self._plan, self._compile_check, self._compile_records, self._graphs, self._kernels)
         if self._layout.changed:  # since setup: the precision check's switch, or a forward that failed in NHWC
             plan = dataclasses.replace(plan, channels_last=self._layout.shown)
-        if (note := unfused(self.optimizer)) is not None:  # fused SGD met a parameter's late first gradient
-            plan = dataclasses.replace(plan, optimizer=Choice("as given", note))
+        if self._optimizer_rows and plan.optimizer is not None:  # the latest model's row may carry a resume's note
+            rows = [
+                row._replace(impl=plan.optimizer) if row.optimizer is self.optimizer else row
+                for row in self._optimizer_rows
+            ]
+            plan = dataclasses.replace(plan, optimizer=optimizers_row(rows))
         return plan
+
+
+class OptimizerRow(NamedTuple):
+    """How one set-up model's optimizer steps: the model's class name, the optimizer, and its implementation."""
+
+    model: str
+    optimizer: torch.optim.Optimizer
+    impl: Choice[str]
+
+
+def optimizers_row(rows: list[OptimizerRow]) -> Choice[str]:
+    """The Plan's optimizer row: how each set-up model's optimizer steps (as given since, where fused SGD met a
+    parameter's late first gradient); one model's as its own, several (a GAN's) each named in one row."""
+    choices = [Choice("as given", note) if (note := unfused(row.optimizer)) is not None else row.impl for row in rows]
+    if len(choices) == 1:
+        return choices[0]
+    labels = [f"{row.model}'s {type(row.optimizer).__name__}" for row in rows]
+    if len(set(labels)) < len(labels):  # two models of one class with one kind of optimizer: their order tells
+        labels = [f"model {i}'s {type(row.optimizer).__name__}" for i, row in enumerate(rows, 1)]
+    values = " / ".join(dict.fromkeys(choice.value for choice in choices))
+    return Choice(
+        values, "; ".join(f"{label}: {c.value}, {c.reason}" for label, c in zip(labels, choices, strict=True))
+    )
 
 
 def explain_forms(

@@ -47,7 +47,7 @@ from redline.runtime.checkpointing import ActivationCheckpointing
 from redline.runtime.compile import CompileRecord, compile_planned
 from redline.runtime.compile_check import CompileCheck
 from redline.runtime.cycle import Cycle, hang_watchdog
-from redline.runtime.forms import FormsReport, check_forms
+from redline.runtime.forms import FormsReport, OptimizerRow, check_forms
 from redline.runtime.fused import pick_implementation
 from redline.runtime.graphs import GraphRecord, setup_graphs
 from redline.runtime.kernel_check import KernelCheck
@@ -150,6 +150,7 @@ class Runtime(FormsReport, RunState):
         self.strategy: Strategy | None = None
         self.model: nn.Module | None = None  # the set-up (wrapped) model and its optimizer: what save() writes
         self._models: list[nn.Module] = []  # every set-up model: train_step accumulates into all of them
+        self._optimizer_rows = []  # how each one's optimizer steps, for the Plan
         self._built_options = []
         self.optimizer: torch.optim.Optimizer | None = None
         self._started: contextlib.ExitStack | None = None
@@ -292,6 +293,7 @@ class Runtime(FormsReport, RunState):
         self._built_options = group_options(built)  # what a checkpoint's load is held against, a schedule aside
         if not again:
             self._models.append(model)
+        self._record_optimizer(model, OptimizerRow(type(self.strategy.module(model)).__name__, built, impl))
         if self._tuning is not None:
             self.adopt_reasons(self._tuning.reasons, self._tuning.note)
         return model, built
