@@ -157,10 +157,10 @@ from torch.utils.data import TensorDataset
 import redline
 
 
-def make(split_seed: int = 0, lr: float = 0.1) -> redline.Task:
+def make(split_seed: int = 0, lr: float = 0.1, samples: int = 64) -> redline.Task:
     data = torch.randn(96, 4, generator=torch.Generator().manual_seed(7))
     order = torch.randperm(96, generator=torch.Generator().manual_seed(split_seed))  # the split moves with the option
-    x, y = data[order[:64]], (data[order[:64], 0] > 0).long()
+    x, y = data[order[:samples]], (data[order[:samples], 0] > 0).long()
     return redline.Task(model=lambda: nn.Linear(4, 2), loss_fn=nn.functional.cross_entropy,
                         train_data=TensorDataset(x, y), batch_size=8,
                         optimizer=lambda params: torch.optim.SGD(params, lr=lr), name="split")
@@ -189,6 +189,17 @@ def test_a_resume_whose_task_option_moved_the_data_is_refused_naming_the_option_
     # an option that leaves the data alone is not the data's business: a changed lr resumes (as train warns it)
     summary = unseeded_fit(redline.load_task(f"{spec}:make", lr=0.05), tmp_path / "run", 8, resume="auto")
     assert summary.steps == 8
+    # its checkpoints keep the options the run began with: the lr this resume took its checkpoint's over is no
+    # option the run began with ("lr left to the factory's default (the run began with lr=0.05)" sent users to it)
+    with pytest.raises(ConfigError) as again:
+        unseeded_fit(redline.load_task(f"{spec}:make", split_seed=1), tmp_path / "run", 12, resume="auto")
+    assert "differ from that run's: split_seed=1 (the run began without it: the factory's default);" in str(again.value)
+    # a training set of another length names the options too
+    with pytest.raises(ConfigError) as shorter:
+        unseeded_fit(redline.load_task(f"{spec}:make", samples=48), tmp_path / "run", 12, resume="auto")
+    said = str(shorter.value)
+    assert "written training on 64 samples of task 'split', and this run's train_data holds 48 (and the task's " in said
+    assert "options differ from that run's: samples=48 (the run began without it: the factory's default)):" in said
 
 
 def test_changed_options_name_each_side():

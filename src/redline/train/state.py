@@ -145,7 +145,8 @@ class Position:
         self.check_batch_size(batch_size, found, split=split, world_size=world_size)
         self.check_data(name, train_samples, found, data_hashes, options)
         self.task, self.train_samples, self.data_hashes = name, train_samples, dict(data_hashes)
-        self.task_options = options
+        if found is None or self.task_options is None:  # a resumed run began with its checkpoint's: they drew this data
+            self.task_options = options
 
     def check_data(
         self,
@@ -167,16 +168,17 @@ class Position:
         if found is None:
             return
         named = f" of task {self.task!r}" if self.task else ""
+        changed = changed_options(self.task_options, options)
         if self.train_samples is not None and train_samples is not None and self.train_samples != train_samples:
+            differ = f" (and the task's options differ from that run's: {changed})" if changed else ""
             raise ConfigError(
                 f"{found.path} was written training on {self.train_samples} samples{named}, and this run's "
-                f"train_data holds {train_samples}: the data position counts batches into its epochs, so a resumed "
-                "run would skip or repeat samples (and a validation split moved would hold trained ones)\nhint: "
-                "resume with the task and --task-arg options the run began with; to train on this data, start a new "
-                "run (another --out)"
+                f"train_data holds {train_samples}{differ}: the data position counts batches into its epochs, so a "
+                "resumed run would skip or repeat samples (and a validation split moved would hold trained ones)"
+                "\nhint: resume with the task and --task-arg options the run began with; to train on this data, "
+                "start a new run (another --out)"
             )
         moved = [name for name, digest in self.data_hashes.items() if data_hashes.get(name, digest) != digest]
-        changed = changed_options(self.task_options, options)
         if "train_data" in moved and changed:  # the options the run began with draw its data again: refused, named
             raise ConfigError(
                 f"{found.path} was written training on other samples{named} than this run's train_data holds (a "
