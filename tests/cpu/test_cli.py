@@ -677,6 +677,12 @@ def test_a_factory_that_builds_a_malformed_task_is_one_clear_line(tmp_path, redl
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "the factory raised ConfigError: len(train_data)=0 is not allowed; expected at least one" in result.stderr
     assert "hint: check how train_data is built" in result.stderr
+    # one hint, the refusal's own, after the line of the factory that built it (a second, generic hint followed it)
+    lines = result.stderr.splitlines()
+    assert [line for line in lines if line.startswith("hint:")] == [
+        "hint: check how train_data is built: it holds no samples"
+    ]
+    assert lines[lines.index("hint: check how train_data is built: it holds no samples") - 1].startswith("  at ")
 
 
 NORM_MODEL = "model=nn.Sequential(nn.BatchNorm1d(4), nn.Dropout(0.1), nn.Linear(4, 1))"

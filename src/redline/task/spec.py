@@ -17,7 +17,7 @@ from typing import Any
 
 from torch import nn
 
-from redline.errors import TaskSpecError, few, nearest, user_line, users_file
+from redline.errors import RedlineError, TaskSpecError, few, nearest, user_line, users_file
 from redline.task.definition import Task
 
 EXAMPLES = {
@@ -121,6 +121,10 @@ def run_factory(spec: str, factory: Callable[..., Any], options: dict[str, Any])
         return factory(**options)
     except TaskSpecError:
         raise
+    except RedlineError as exc:  # a refusal of what it built (an empty train_data): its own hint is the fix
+        said, _, hint = str(exc).partition("\nhint: ")
+        where = _where(exc) if not hint else user_line(exc) + f"\nhint: {hint}"
+        raise TaskSpecError(f"task spec {spec!r}: the factory raised {type(exc).__name__}: {said}{where}") from exc
     except Exception as exc:
         raise TaskSpecError(f"task spec {spec!r}: the factory raised {type(exc).__name__}: {exc}{_where(exc)}") from exc
 
