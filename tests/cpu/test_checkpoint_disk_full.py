@@ -72,6 +72,18 @@ def test_a_checkpoint_a_full_disk_refuses_is_a_clear_error_that_leaves_the_earli
     _assert_refused_cleanly(raised, tmp_path, failed)
 
 
+def test_a_first_checkpoint_a_full_disk_refuses_says_there_is_none_before_it(tmp_path: Path) -> None:
+    # It said "the checkpoints committed before it ... are intact" where there were none to resume from.
+    with Runtime(devices="cpu") as rt:
+        _trained(rt)
+        with files_limited_to(4096), pytest.raises(CheckpointError) as raised:
+            rt.save(step_dir(tmp_path, 1), step=1)
+    message = str(raised.value)
+    assert f"the part written is removed, and no checkpoint was committed before it under {tmp_path}\n" in message
+    assert "are intact" not in message and message.endswith("to continue from the newest (with none, it starts over)")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_sharded_checkpoints_state_a_full_disk_refuses_is_a_clear_error(tmp_path: Path) -> None:
     model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -182,11 +182,20 @@ def write_failure(final: Path, tmp: Path, exc: OSError, *, remove: bool = True) 
         )
     if remove:
         shutil.rmtree(tmp, ignore_errors=True)
+    none = not find_checkpoints(final.parent)
     return CheckpointError(
         f"{final}: the checkpoint could not be written: {exc.strerror or exc}{where}; the part written is removed, "
-        f"and the checkpoints committed before it under {final.parent} are intact\nhint: free space on that disk "
-        "(or make it writable again), then run the same command again with --resume auto to continue from the newest"
+        f"and {committed_before(final)}\nhint: free space on that disk (or make it writable again), then run the same "
+        f"command again with --resume auto to continue from the newest{' (with none, it starts over)' if none else ''}"
     )
+
+
+def committed_before(final: Path) -> str:
+    """What a failed write of checkpoint ``final`` leaves: the checkpoints committed under its folder before it (one
+    it was to replace too), or none (a run's first)."""
+    if find_checkpoints(final.parent):
+        return f"the checkpoints committed before it under {final.parent} are intact"
+    return f"no checkpoint was committed before it under {final.parent}"
 
 
 def write_json(path: Path, document: Mapping[str, Any]) -> None:

@@ -44,6 +44,7 @@ from redline.checkpoint.layout import (
     Checkpoint,
     CheckpointError,
     commit,
+    committed_before,
     file_entry,
     legacy_states,
     stage,
@@ -130,7 +131,7 @@ def _save_failure(final: Path, tmp: Path, exc: CheckpointException, failure: OSE
             shutil.rmtree(tmp, ignore_errors=True)
         error = CheckpointError(
             f"{final}: the checkpoint could not be written: rank {rank}: {describe_error(cause)}; the part written "
-            f"is removed, and the checkpoints committed before it under {final.parent} are intact"
+            f"is removed, and {committed_before(final)}"
         )
     error.__cause__ = cause
     return error

@@ -127,8 +127,8 @@ def _write(logs: Sequence[_FileLog], rows: Sequence[Row]) -> None:
 def _write_failure(path: Path, exc: OSError) -> TrainingError:
     return TrainingError(
         f"{path} could not be written: {exc.strerror or exc}\nhint: free space on that disk (or make it writable "
-        "again), then run the same command again with --resume auto: the run goes on from its last checkpoint, and "
-        "its logs from there"
+        "again), then run the same command again with --resume auto: the run goes on from its newest checkpoint, "
+        "and its logs from there (where it wrote none, it starts over)"
     )
 
 
