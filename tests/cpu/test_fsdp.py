@@ -370,9 +370,9 @@ def test_a_checkpoint_of_another_model_is_refused_on_every_rank(runs: Path) -> N
     differs += "checkpoint, [64, 16] in this model), wpe.weight ([16, 32] in the checkpoint, [16, 16] in this model)"
     sharded, whole = runs / "ckpt-2" / f"step-{SAVE_AT:08d}", runs / "whole" / "step-00000001"
     assert len(errors["sharded"]) == 2, errors  # each rank refuses it on its own, before DCP's collective load
-    assert all(e.startswith(f"CheckpointError: {sharded}: {differs}") for e in errors["sharded"]), errors
+    assert all(e.startswith(f"ModelMismatch: {sharded}: {differs}") for e in errors["sharded"]), errors
     rank_0, rank_1 = errors["whole"]  # rank 0 alone reads a whole checkpoint, and tells the others
-    assert rank_0.startswith(f"CheckpointError: {whole}: {differs}") and "hint: this run's model is not" in rank_0
+    assert rank_0.startswith(f"ModelMismatch: {whole}: {differs}") and "hint: this run's model is not" in rank_0
     assert rank_1.startswith("RankZeroError: reading the whole checkpoint failed on rank 0") and differs in rank_1
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 from pathlib import Path
@@ -14,6 +15,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 import redline
+from redline.checkpoint import CheckpointError
 from redline.errors import ConfigError
 from redline.train.agreement import data_digests
 from redline.train.state import Position
@@ -46,6 +48,23 @@ def test_a_resume_on_a_training_set_of_another_length_is_refused_naming_both(tmp
     assert "hint: resume with the task and --task-arg options the run began with" in message
     assert "start a new run (another --out)" in message
     assert fit(task(64), tmp_path, 10, resume="auto").steps == 10  # the same data goes on
+
+
+def test_a_checkpoint_of_another_tasks_model_names_both_tasks(tmp_path: Path) -> None:
+    # It named the tensors that differ and blamed "another --task-arg, or changed model code", not the other task.
+    fit(task(name="pairs"), tmp_path, 2)
+    wider = dataclasses.replace(task(name="wider"), model=lambda: nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)))
+    with pytest.raises(CheckpointError) as refused:
+        fit(wider, tmp_path, 4, resume="auto")
+    message = str(refused.value)
+    assert "the checkpoint's model differs from this run's model: missing from the checkpoint: 0.weight" in message
+    assert (
+        "; it was written by task 'pairs', and this run trains task 'wider'\nhint: resume with the task the run "
+        in message
+    )
+    with pytest.raises(CheckpointError) as same_task:  # a task of the same name: the options or the code changed
+        fit(dataclasses.replace(wider, name="pairs"), tmp_path, 4, resume="auto")
+    assert "written by task" not in str(same_task.value) and "another --task-arg" in str(same_task.value)
 
 
 def test_a_resume_under_another_task_name_warns_and_goes_on(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:

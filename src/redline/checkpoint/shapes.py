@@ -35,11 +35,15 @@ def safetensors_shapes(path: Path) -> Shapes:
     return shapes
 
 
+class ModelMismatch(CheckpointError):
+    """A checkpoint of another model than the one it is loaded into (by its tensors' names and shapes)."""
+
+
 def check_same_model(path: Path, saved: Mapping[str, tuple[int, ...]], expected: Mapping[str, tuple[int, ...]]) -> None:
-    """Raise CheckpointError naming a few differences if the checkpoint's shapes ``saved`` are not the model's."""
+    """Raise ModelMismatch naming a few differences if the checkpoint's shapes ``saved`` are not the model's."""
     found = differences(saved, expected)
     if found:
-        raise CheckpointError(
+        raise ModelMismatch(
             f"{path}: the checkpoint's model differs from this run's model: {'; '.join(found)}\n"
             "hint: this run's model is not the one that wrote the checkpoint (another --task-arg, or changed model "
             "code, changes its shapes): resume with the same --task-arg values as the run that wrote it, or load a "

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from redline import checkpoint
 from redline.checkpoint import Checkpoint, CheckpointError
 from redline.checkpoint.loadable import load_safely
+from redline.checkpoint.shapes import ModelMismatch
 from redline.errors import ConfigError, DeviceUnavailableError, invalid
 from redline.hardware.device import probe_accelerators
 from redline.parallel.collectives import gather_objects, run_on_rank0
@@ -416,12 +417,28 @@ def run_loggers(
 
 
 def load_run(
-    rt: Runtime, found: Checkpoint, *, scheduler: Schedule, stopping: EarlyStopping | None, best: BestWeights | None
+    rt: Runtime,
+    found: Checkpoint,
+    task: str,
+    scheduler: Schedule,
+    *,
+    stopping: EarlyStopping | None,
+    best: BestWeights | None,
 ) -> dict[str, Any]:
     """Load checkpoint ``found`` into ``rt`` (model, optimizer, Plan) and into what evaluations move (``scheduler``,
-    early ``stopping``, ``best``); return its extra state, where the run's position is."""
-    check_written_by_trainer(found)  # before the load: its model or optimizer may differ too
-    state = rt.load(found)
+    early ``stopping``, ``best``); return its extra state, where the run's position is. A checkpoint of another
+    model written by another ``task`` (this run's name) says so."""
+    written_by = check_written_by_trainer(found)  # before the load: its model or optimizer may differ too
+    try:
+        state = rt.load(found)
+    except ModelMismatch as exc:
+        if written_by and written_by != task:  # the checkpoint of another task's run: the names say why
+            said, _, _ = str(exc).partition("\nhint: ")
+            raise ModelMismatch(
+                f"{said}; it was written by task {written_by!r}, and this run trains task {task!r}\nhint: resume "
+                f"with the task the run began with ({written_by!r}); to train this one, start a new run (another --out)"
+            ) from exc
+        raise
     check_written_by_trainer(found, state)
     scheduler.load_state_dict(state.get("scheduler"), steps=found.step, source=str(found.path), warn=rt.env.is_main)
     if stopping is not None and state.get("early_stopping"):
@@ -481,17 +498,20 @@ def _available_device(options: RuntimeOptions) -> RuntimeOptions:
     return options
 
 
-def check_written_by_trainer(found: Checkpoint, state: dict[str, Any] | None = None) -> None:
-    """Refuse a checkpoint a loop of the user's own wrote (its extra state holds no Trainer position).
+def check_written_by_trainer(found: Checkpoint, state: dict[str, Any] | None = None) -> str:
+    """Refuse a checkpoint a loop of the user's own wrote (its extra state holds no Trainer position); return the
+    name of the task that wrote it ("" where not saved).
 
     Without ``state`` (before the load) it reads the checkpoint's extra.pt, where both formats keep it;
     a layout that keeps it elsewhere (redline 0.1's) is told by the loaded ``state`` instead.
     """
     extra = found.path / "extra.pt"
     if state is None and not extra.is_file():
-        return
-    if "position" in (state if state is not None else load_safely(extra, "cpu")):
-        return
+        return ""
+    held = state if state is not None else load_safely(extra, "cpu")
+    if "position" in held:
+        data = held.get("data")
+        return str(data.get("task") or "") if isinstance(data, dict) else ""
     raise CheckpointError(
         f"{found.path} holds no Trainer state: it was not written by the Trainer (Runtime.save in a loop of "
         "your own writes one)\nhint: load it with Runtime.load in that loop, or resume from a checkpoint "

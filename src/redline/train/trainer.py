@@ -390,8 +390,7 @@ class Trainer(TrainedModel):
         # Seeded before the model is built; the loop's own watchdog knows more phases. A resume steps as it stepped.
         measured = resumed_choices(found, measured, options, self.env)
         rt = Runtime(options, planned_steps=planned_steps, measured=measured, watch_hangs=False).start()
-        rt.snapshot_dir = self.out_dir  # where an out-of-memory on CUDA leaves its memory snapshot
-        self.rt = rt
+        rt.snapshot_dir, self.rt = self.out_dir, rt  # snapshot_dir: where an out-of-memory on CUDA leaves its snapshot
         with users_failure(f"task {self.task.name!r}: building the model", FINGERPRINT_HINT):
             built = self.task.build_model()
         check_ranks_agree(self.config, self.task, built, self.env)  # before DDP's wrap compares shapes its own way
@@ -400,7 +399,7 @@ class Trainer(TrainedModel):
         scheduler = Schedule.build(self.task, optimizer)
         pos = Position(batch_size=self.batch_size)
         if found is not None:
-            state = resume.load_run(rt, found, scheduler=scheduler, stopping=self.early_stopping, best=self.best)
+            state = resume.load_run(rt, found, self.task.name, scheduler, stopping=self.early_stopping, best=self.best)
             pos = Position.from_state(state)
             self._stored_stop = state.get("stopped") or ""
             self._stored_losses = [float(v) for v in state.get("recent_losses") or []]  # none in an older one
