@@ -12,6 +12,7 @@ from redline.checkpoint.layout import (
     Checkpoint,
     CheckpointError,
     FormatError,
+    earlier_than,
     find_checkpoints,
     read_checkpoint,
     recover,
@@ -39,7 +40,7 @@ def open_checkpoint(where: str | Path, root: Path) -> Checkpoint | None:
             return open_verified(Path(where))
         except CheckpointError as exc:
             near, which = _checkpoint_near(Path(where))
-            if near is None and (earlier := _earlier_beside(Path(where))) is not None:  # it is corrupt
+            if near is None and (earlier := earlier_than(Path(where))) is not None:  # it is corrupt
                 raise CheckpointError(
                     f"{str(exc).split(chr(10))[0]}\nhint: the checkpoint is corrupt; resume from an earlier one beside "
                     f"it, --resume {earlier.path}, or with --resume auto --out {earlier.path.parent.parent} (which "
@@ -79,16 +80,6 @@ def open_checkpoint(where: str | Path, root: Path) -> Checkpoint | None:
             + f"\nhint: a new run there would write over them; to start over, delete {root} or pass another "
             "--out (out_dir=...); to resume from a copy kept elsewhere, pass --resume PATH"
         )
-    return None
-
-
-def _earlier_beside(path: Path) -> Checkpoint | None:
-    """The newest checkpoint of the run that is older than the committed one at ``path``: what to resume from when
-    that one does not verify (checked in its turn as it is opened); None where there is none."""
-    with contextlib.suppress(CheckpointError, OSError):
-        step = read_checkpoint(path).step
-        earlier = [c for c in find_checkpoints(path.parent) if c.step < step]
-        return earlier[-1] if earlier else None
     return None
 
 

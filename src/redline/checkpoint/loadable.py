@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from redline.checkpoint.layout import CheckpointError
+from redline.checkpoint.layout import CheckpointError, parsing, unparsed
 from redline.errors import invalid
 
 HINT = (
@@ -39,9 +39,12 @@ def load_safely(path: Path, device: torch.device | str = "cpu") -> dict[str, Any
     """``torch.load(path, weights_only=True)``; a file holding what that refuses (written by hand, or by a redline
     that did not check) is a CheckpointError that says what to do, not the unpickler's own message."""
     try:
-        loaded: dict[str, Any] = torch.load(path, map_location=device, weights_only=True)
+        with parsing(path, passing=pickle.UnpicklingError):  # a file cut short or garbled: named, not torch's error
+            loaded: dict[str, Any] = torch.load(path, map_location=device, weights_only=True)
     except pickle.UnpicklingError as exc:
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(exc))
+        if not found and re.search(r"Unsupported operand|invalid load key|truncated", str(exc)):  # garbled bytes
+            raise unparsed(path, exc) from exc
         raise CheckpointError(
             f"{path}: holds a value that loading without unpickling arbitrary objects refuses"
             f"{f' (a {found.group(1)})' if found else ''}\nhint: if you trust the file, read it with "

@@ -28,6 +28,7 @@ from redline.checkpoint.layout import (
     commit,
     file_entry,
     legacy_states,
+    parsing,
     stage,
     write_failure,
     write_json,
@@ -80,12 +81,14 @@ def save_whole(
 
 def read_weights(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
     """Return the checkpoint's weights on the CPU, a tied weight under one of its names."""
-    return load_file(checkpoint.path / WEIGHTS, device="cpu")
+    with parsing(checkpoint.path / WEIGHTS):
+        return load_file(checkpoint.path / WEIGHTS, device="cpu")
 
 
 def saved_shapes(checkpoint: Checkpoint) -> Shapes:
     """Return the checkpoint's weights' shapes by name from the file's header, a tied weight under each name."""
-    return safetensors_shapes(checkpoint.path / WEIGHTS)
+    with parsing(checkpoint.path / WEIGHTS):
+        return safetensors_shapes(checkpoint.path / WEIGHTS)
 
 
 def plain_module(module: nn.Module) -> nn.Module:
@@ -144,7 +147,8 @@ def run_as_this_run(saved: dict[str, Any], optimizer: torch.optim.Optimizer) -> 
 
 def _load_checked(checkpoint: Checkpoint, module: nn.Module) -> None:
     module = _as_saved(checkpoint, module)
-    load_model(module, str(checkpoint.path / WEIGHTS), strict=True, device=str(_device_of(module)))
+    with parsing(checkpoint.path / WEIGHTS):  # its names and shapes were checked: what fails is the file's bytes
+        load_model(module, str(checkpoint.path / WEIGHTS), strict=True, device=str(_device_of(module)))
 
 
 def _device_of(module: nn.Module) -> torch.device:
