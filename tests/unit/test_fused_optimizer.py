@@ -504,3 +504,28 @@ def test_a_checkpoint_saved_after_the_fallback_loads_into_a_fused_optimizer_that
         rt.load(tmp_path / "step-00000004")
         assert resumed.param_groups[0]["fused"]  # this run's implementation, not the checkpoint's
         steps(rt, again, resumed, 2)  # every parameter has its buffer: the fused kernel takes them
+
+
+def test_a_load_into_an_optimizer_stepping_otherwise_than_the_checkpoints_run_says_so(monkeypatch, caplog, tmp_path):
+    """A loop of one's own resumed with rt.load stepped the kernel a timing picked now (on a busy machine, the
+    other one), with no word: the two round differently, and the resumed run did not end as the unbroken one."""
+
+    def run(fused_ms: float, load: bool) -> None:
+        monkeypatch.setattr(fused, "time_fused", lambda optimizer: timing(1.0, fused_ms))
+        with Runtime(RuntimeOptions(devices="cpu")) as rt:
+            model, optimizer = rt.setup(*model_and_optimizer())
+            if load:
+                rt.load(tmp_path / "ckpt")
+                return
+            rt.backward(model(torch.randn(8, 16)).square().mean())
+            rt.step(optimizer)
+            rt.save(tmp_path / "ckpt")
+
+    run(0.3, load=False)  # fused
+    with caplog.at_level("WARNING", logger="redline"):
+        run(0.3, load=True)  # fused again: nothing to say
+    assert "round differently" not in caplog.text
+    with caplog.at_level("WARNING", logger="redline"):
+        run(0.99, load=True)
+    assert "ckpt: its run stepped AdamW fused, and this run steps it as given (" in caplog.text
+    assert "hint: to resume it exactly, build the optimizer with fused=True, as that run did" in caplog.text

@@ -12,18 +12,19 @@ import logging
 import operator
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, cast, get_args
 
 import torch
 from torch import nn
 
-from redline.checkpoint import Checkpoint, open_verified
+from redline.checkpoint import Checkpoint, CheckpointError, load_plan, open_verified
 from redline.checkpoint.whole import plain_module
 from redline.errors import ConfigError, invalid
 from redline.parallel.collectives import gather_objects, peers_said
 from redline.parallel.env import DistEnv
 from redline.plan import Choice, Plan
 from redline.plan.micro_batch import found_size
+from redline.plan.optimizer import OptimizerImpl
 from redline.runtime.cycle import Cycle
 from redline.runtime.micro import MicroBatcher, OomEvent
 from redline.runtime.optimizer import changed_options, group_options, loaded_options, match_state_layout
@@ -43,6 +44,7 @@ class RunState:
     optimizer: torch.optim.Optimizer | None
     precision: Precision
     env: DistEnv
+    device: torch.device
     explain: Callable[[], Plan]
     _cycle: Cycle
     _models: list[nn.Module]
@@ -181,6 +183,8 @@ class RunState:
             if self.env.is_main:
                 _warn_options(checkpoint.path, type(optimizer).__name__, self._built_options, now, saved)
             self._built_options = now
+        if self.env.is_main:
+            _warn_implementation(checkpoint, self._plan.optimizer, type(optimizer).__name__, self.device.type)
         self._restart_cycle(checkpoint.step)
         self._micro.events = [_event(e) for e in runtime_state.get("oom_events") or []]  # the run's recoveries so far
         self.precision.load_state_dict(dict(runtime_state.get("precision") or {}))
@@ -248,6 +252,24 @@ def _warn_options(
             "%s: this run's optimizer %s\nhint: to train on with other options, set them in optimizer.param_groups "
             "after loading, or start a new run (with redline train, another --out)", path, "; ".join(said),
         )  # fmt: skip
+
+
+def _warn_implementation(checkpoint: Checkpoint, now: Choice[str] | None, name: str, device: str) -> None:
+    """Say where this run steps its optimizer (``name``) otherwise than the checkpoint's run did on the same kind of
+    ``device`` (fused, or as given): the two round differently, so the resumed run does not end as the unbroken one.
+    The Trainer takes the checkpoint's; a loop of one's own builds the optimizer so."""
+    try:
+        plan = load_plan(checkpoint)
+        then, where = plan["optimizer"]["value"], torch.device(str(plan["device"]["value"])).type
+    except (CheckpointError, KeyError, TypeError, RuntimeError):  # an earlier version's Plan, without the rows
+        return
+    if now is None or then not in get_args(OptimizerImpl) or then == now.value or where != device:
+        return
+    log.warning(
+        "%s: its run stepped %s %s, and this run steps it %s (%s): the two round differently, so the resumed run "
+        "will not end exactly as the unbroken one would\nhint: to resume it exactly, build the optimizer with "
+        "fused=%s, as that run did", checkpoint.path, name, then, now.value, now.reason, then == "fused",
+    )  # fmt: skip
 
 
 def _event_state(event: OomEvent) -> dict[str, Any]:
