@@ -1,10 +1,10 @@
 """Checkpoints that survive a crash at any moment: one directory layout, two formats.
 
-``layout`` names, commits, lists and verifies checkpoint directories, and ``finding`` picks the one
-a run resumes from; ``whole`` is the format one process writes (one device, DDP), ``sharded`` the
-one every rank writes its shards of (FSDP); both refuse, through ``shapes``, a checkpoint of
-another model before loading it. The Runtime picks the format through its strategy
-(``Runtime.save`` / ``Runtime.load``).
+``layout`` names, commits, lists and verifies checkpoint directories, ``finding`` picks the one a
+run resumes from, and ``reading`` reads their files back; ``whole`` is the format one process
+writes (one device, DDP), ``sharded`` the one every rank writes its shards of (FSDP); both refuse,
+through ``shapes``, a checkpoint of another model before loading it. The Runtime picks the format
+through its strategy (``Runtime.save`` / ``Runtime.load``).
 """
 
 from redline.checkpoint.finding import open_checkpoint, open_verified
@@ -13,7 +13,6 @@ from redline.checkpoint.layout import (
     CheckpointError,
     clean_staging,
     find_checkpoints,
-    load_plan,
     other_versions,
     prune,
     read_checkpoint,
@@ -21,6 +20,7 @@ from redline.checkpoint.layout import (
     step_dir,
     verify,
 )
+from redline.checkpoint.reading import load_plan
 
 __all__ = [
     "Checkpoint",

@@ -12,7 +12,6 @@ from redline.checkpoint.layout import (
     Checkpoint,
     CheckpointError,
     FormatError,
-    earlier_than,
     find_checkpoints,
     read_checkpoint,
     recover,
@@ -20,6 +19,7 @@ from redline.checkpoint.layout import (
     step_of,
     verify,
 )
+from redline.checkpoint.reading import earlier_than
 from redline.parallel.collectives import gather_objects, rank_and_world, run_on_rank0
 
 log = logging.getLogger("redline")

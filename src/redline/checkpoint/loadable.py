@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from redline.checkpoint.layout import CheckpointError, parsing, unparsed
+from redline.checkpoint.layout import CheckpointError
+from redline.checkpoint.reading import parsing, unparsed
 from redline.errors import invalid
 
 HINT = (

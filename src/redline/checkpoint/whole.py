@@ -28,12 +28,12 @@ from redline.checkpoint.layout import (
     commit,
     file_entry,
     legacy_states,
-    parsing,
     stage,
     write_failure,
     write_json,
 )
 from redline.checkpoint.loadable import check_loadable, load_safely
+from redline.checkpoint.reading import parsing
 from redline.checkpoint.shapes import Shapes, check_same_model, differences, safetensors_shapes, shapes_of
 from redline.checkpoint.writing import save_object, save_tensors
 from redline.errors import few

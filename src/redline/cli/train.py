@@ -38,7 +38,7 @@ from redline.train.callbacks import Callback, EarlyStopping
 from redline.train.config import TrainerConfig
 from redline.train.lock import refuse_if_held
 from redline.train.output import check_run_files
-from redline.train.resume import refuse_before_launch
+from redline.train.run_dir import refuse_before_launch
 from redline.train.signals import ResultsSkipped
 from redline.train.summary import TrainSummary
 from redline.train.throughput import NOT_COUNTED, UNTIMED

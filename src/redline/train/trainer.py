@@ -39,7 +39,7 @@ from redline.runtime.runtime import Runtime
 from redline.runtime.samples import count_batch
 from redline.runtime.snapshot import record_memory_history
 from redline.task import Task, require_task
-from redline.train import resume
+from redline.train import resume, run_dir
 from redline.train.agreement import check_optimizers_agree, check_ranks_agree, data_digests
 from redline.train.best import best_weights
 from redline.train.callbacks import Callback, call_hooks, check_callbacks, warn_if_stopping_cannot_act
@@ -309,7 +309,7 @@ class Trainer(TrainedModel):
         resumed = self._find_resume()
         resume.warn_unsaved(resumed, self.out_dir, self.env, replaced=self.model)
         if self.out_dir is not None:  # no earlier run's checkpoints under a new run; no killed write's leftovers
-            resume.prepare_checkpoint_dir(self._checkpoint_root(), self.env, resume=self.config.resume, found=resumed)
+            run_dir.prepare_checkpoint_dir(self._checkpoint_root(), self.env, resume=self.config.resume, found=resumed)
         options = resume.resumed_options(self.options, resumed, self.env)
         self.seed = options.seed if options.seed is not None else 0  # a resumed run's data order goes on as it was
         self.batch_size = resumed_batch(resumed, self.config.batch_size or self.task.batch_size)
