@@ -3,6 +3,7 @@
 import csv
 import dataclasses
 import functools
+import json
 import time
 from pathlib import Path
 
@@ -142,6 +143,18 @@ def test_a_sample_that_raises_after_training_leaves_the_weights_and_summary_writ
     said = caplog.text
     assert "task.sample raised ValueError: no prompt" in said and "test_trainer_again.py" in said
     assert "the summary and final weights are written without it" in said
+
+
+@pytest.mark.parametrize("made", [12345, b"text", torch.ones(2)])
+def test_a_sample_that_is_not_text_is_left_out_with_a_warning(tmp_path, caplog, made):
+    # The summary's printing raised AttributeError ('int' object has no attribute 'translate') after the run,
+    # and --json wrote the number as the sample.
+    task = dataclasses.replace(frozen_task(lr=0.1), sample=lambda model: made)
+    with caplog.at_level("WARNING", logger="redline"):
+        summary = quiet(task, max_steps=2, out_dir=tmp_path).fit()
+    assert summary.sample is None and json.loads((tmp_path / "summary.json").read_text())["sample"] is None
+    assert f"task.sample returned a {type(made).__name__}, not text; the summary and final weights" in caplog.text
+    assert "hint: return a str from task.sample" in caplog.text
 
 
 def test_the_config_may_be_passed_by_name_and_a_rerun_of_a_finished_run_still_ends_its_fit(tmp_path):

@@ -89,11 +89,18 @@ def take_sample(task: Task, run: Run) -> str | None:
         return None
     with run.meter.excluded("eval"), run.rt.eager():
         try:
-            return task.sample(run.rt.module)
+            made = task.sample(run.rt.module)
         except Exception as exc:  # the run trained: its weights and summary are written all the same
             why = f"{type(exc).__name__}: {first_line(exc)}{user_line(exc)}"
             log.warning("task.sample raised %s\nthe summary and final weights are written without it", why)
             return None
+    if made is not None and not isinstance(made, str):  # printed and written as text: a number or tensor is not one
+        log.warning(
+            "task.sample returned a %s, not text; the summary and final weights are written without it\nhint: "
+            "return a str from task.sample (str(value), or the decoded text)", type(made).__name__,
+        )  # fmt: skip
+        return None
+    return made
 
 
 def summarize(
