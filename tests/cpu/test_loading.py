@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, Subset, TensorDataset
 
+from redline.errors import ConfigError
 from redline.hardware.device import DeviceFacts
 from redline.plan.loader import LoaderFacts, LoaderSettings, resolve_loader
 from redline.runtime.loading import DeviceLoader, loader_facts, rebuild_dataloader
@@ -146,6 +147,17 @@ def test_cpu_keeps_the_users_loader() -> None:
     )
     assert "kept" in choice.reason
     assert "a rule, not measured" in choice.reason  # it said workers "would compete", as if measured
+
+
+@pytest.mark.parametrize(("device", "most"), [(SMALL_CPU, 8), (H100, 64)])
+def test_a_worker_count_far_past_the_cores_is_refused_before_any_worker_starts(device, most):
+    # --loader-workers 100000 forked until the machine's memory was gone, and ignored SIGTERM meanwhile.
+    assert resolve_loader(facts(), device, workers=most).value.num_workers == most
+    with pytest.raises(ConfigError) as refused:
+        resolve_loader(facts(), device, workers=most + 1)
+    message = str(refused.value)
+    assert message.startswith(f"loader_workers={most + 1} is not allowed; expected at most {most} worker processes")
+    assert f"({device.cpu_count} CPU core(s), 4 per core)" in message and "hint: ask for fewer" in message
 
 
 @pytest.mark.parametrize("device", [H100, SMALL_CPU])

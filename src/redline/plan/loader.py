@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from redline.errors import invalid
 from redline.hardware.device import DeviceFacts
 from redline.plan import Choice
 
@@ -65,6 +66,23 @@ GATHER = (
 )
 
 
+WORKERS_PER_CORE = 4  # asked for beyond this many per core (or MAX_WORKERS on a small machine), workers are refused
+
+
+def check_worker_count(workers: int, cores: int) -> None:
+    """Refuse ``workers`` loader processes far beyond ``cores``: each is a process with its copy of the dataset, and
+    a mistyped count (100000) forks until the memory is gone. Workers that wait on files or a network may usefully
+    outnumber the cores a few times over, so the bound is ``WORKERS_PER_CORE`` per core."""
+    most = max(MAX_WORKERS, WORKERS_PER_CORE * cores)
+    if workers > most:
+        raise invalid(
+            "loader_workers", workers, f"at most {most} worker processes on this machine ({cores} CPU core(s), "
+            f"{WORKERS_PER_CORE} per core): each is a process holding its own copy of the dataset",
+            f"ask for fewer (--loader-workers {min(most, max(1, cores - 1))}, say), or leave it out: the Plan picks a "
+            "count for the device",
+        )  # fmt: skip
+
+
 def resolve_loader(loader: LoaderFacts, facts: DeviceFacts, *, workers: int | None = None) -> Choice[LoaderSettings]:
     """Pin memory and add workers for a GPU; leave a CPU run's loader alone; ``workers`` is a request that wins.
 
@@ -89,6 +107,7 @@ def _resolve(loader: LoaderFacts, facts: DeviceFacts, workers: int | None) -> Ch
     if loader.subclass:
         return Choice(keep, _kept_subclass(loader, workers))
     if workers is not None:
+        check_worker_count(workers, facts.cpu_count)
         limited = loader.worker_limit is not None and workers > loader.worker_limit
         workers = min(workers, loader.worker_limit) if loader.worker_limit is not None else workers
         persist = _persistent(loader, workers)
