@@ -52,10 +52,14 @@ def test_best_safetensors_holds_the_weights_of_the_lowest_val_loss(tmp_path, mon
     assert json.loads((tmp_path / "summary.json").read_text())["best"] == record
 
 
-def test_val_metric_keeps_the_highest_and_a_nan_never_counts(tmp_path, monkeypatch):
-    scripted(monkeypatch, {2: 0.6, 4: float("nan"), 6: 0.8, 8: 0.7}, monitor="val_metric")
-    summary = quiet(tiny_task(), max_steps=8, eval_every=2, out_dir=tmp_path, keep_best="val_metric").fit()
+def test_val_metric_keeps_the_highest_and_a_nan_never_counts(tmp_path, monkeypatch, caplog):
+    scripted(monkeypatch, {2: 0.6, 4: float("nan"), 6: 0.8, 8: float("nan")}, monitor="val_metric")
+    with caplog.at_level("WARNING", logger="redline"):
+        summary = quiet(tiny_task(), max_steps=8, eval_every=2, out_dir=tmp_path, keep_best="val_metric").fit()
     assert summary.best is not None and (summary.best["step"], summary.best["value"]) == (6, 0.8)
+    # said, once: a metric that is NaN at every evaluation kept nothing, and the run ended without a word
+    assert caplog.text.count("--keep-best val_metric: the evaluation at step 4 gave nan, which is never the best") == 1
+    assert "step 8 gave" not in caplog.text and "hint: look for NaN or inf in task.metric and val_data" in caplog.text
 
 
 def test_a_resumed_run_replaces_the_best_only_with_better_weights(tmp_path, monkeypatch):

@@ -19,7 +19,7 @@ import json
 import logging
 import math
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -52,6 +52,7 @@ class BestWeights:
     out_dir: Path
     value: float | None = None
     step: int | None = None
+    _told_not_finite: bool = field(default=False, repr=False, compare=False)
 
     @property
     def path(self) -> Path:
@@ -71,6 +72,14 @@ class BestWeights:
         Collective (under FSDP the weights are gathered); ``main``: whether this rank writes best.json.
         """
         value = metrics.get(self.monitor)
+        if value is not None and not math.isfinite(value) and main and not self._told_not_finite:
+            self._told_not_finite = True  # once a run: every evaluation of a broken metric would say it again
+            what = "task.metric" if self.monitor == "val_metric" else "task.loss_fn on val_data"
+            log.warning(
+                "--keep-best %s: the evaluation at step %d gave %s, which is never the best, so %s is not written "
+                "for it (nor for any evaluation that is not finite)\nhint: look for NaN or inf in %s and val_data",
+                self.monitor, step, value, self.path.name, what,
+            )  # fmt: skip
         if not self.better(value):
             return False
         rt.save_weights(self.path)  # the weights first: a crash between the two leaves the older record
