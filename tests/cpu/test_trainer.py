@@ -302,6 +302,20 @@ def test_a_batch_of_the_wrong_dtype_gets_the_cast_to_make_not_a_hint_of_shapes(i
     assert "shaped as the model expects" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("cast", "said"), [("double", "float64 (a .double() model)"), ("half", "float16 (a .half() model)")]
+)
+def test_a_model_cast_to_another_dtype_is_named_not_the_float32_inputs(cast, said):
+    # The hint said to cast the inputs .float() "to match the model's float32 weights": they were float32 already.
+    task = tiny_task(model=lambda: getattr(nn.Linear(4, 2), cast)(), val_data=None)
+    with pytest.raises(TrainingError, match=r"step 1: the model or loss raised RuntimeError: mat1 and mat2") as err:
+        quiet(task, max_steps=1, trial="off").fit()
+    assert f"\nhint: the inputs are float32 and the model's weights are {said}: build the model in float32" in str(
+        err.value
+    )
+    assert "a dtype does not fit" not in str(err.value)
+
+
 ONEDNN = "could not create a primitive descriptor for the LSTM forward propagation primitive"  # a CPU's LSTM in fp16
 
 

@@ -258,6 +258,13 @@ def _failure_hint(exc: Exception, first: str, inputs: Any, data: str) -> tuple[s
             "fp32 run, cast float16 or bfloat16 inputs .float() in the dataset"
         )
         return hint, "; the line above is the op's call"
+    if weights := _model_dtype(first, inputs):
+        hint = (
+            f"the inputs are float32 and the model's weights {weights}: build the model in float32 (leave out "
+            ".double() or .half(): --precision runs mixed precision over float32 weights), or cast the inputs to "
+            "the model's dtype in the dataset's __getitem__ (or collate_fn)"
+        )
+        return hint, "; if they fit, the line above is where your code failed"
     if DTYPE_TROUBLE.search(first):
         hint = (
             "a dtype does not fit (the batch above shows each): cast in the dataset's __getitem__ (or collate_fn), "
@@ -269,6 +276,29 @@ def _failure_hint(exc: Exception, first: str, inputs: Any, data: str) -> tuple[s
     return f"check that {data}'s items are (inputs, targets) shaped as {shaped}", (
         "; if they are, the line above is where your code failed"
     )
+
+
+# A layer's refusal of float32 inputs for weights of another dtype, in torch's words (a Linear's matmul, a
+# convolution's, an RNN's), and what each names the weights' dtype
+WEIGHTS_CAST = re.compile(
+    r"mat1 and mat2 must have the same dtype, but got Float and (\w+)"
+    r"|Input type \(float\) and (?:bias|weight) type \(([\w:]+)\) should be the same"
+    r"|input dtype \(torch\.float32\) does not match weight dtype \(torch\.(\w+)\)"
+)
+CAST_MODEL = {"float64": "are float64 (a .double() model)", "float16": "are float16 (a .half() model)",
+              "bfloat16": "are bfloat16 (a .bfloat16() model)"}  # fmt: skip
+TORCH_NAMES = {"Double": "float64", "double": "float64", "Half": "float16", "c10::Half": "float16",
+               "BFloat16": "bfloat16", "c10::BFloat16": "bfloat16"}  # fmt: skip
+
+
+def _model_dtype(first: str, inputs: Any) -> str:
+    """What the weights are where a layer refused float32 inputs (``first``, torch's message) for weights of another
+    floating-point dtype (a model cast with .double() fed the dataset's float32); "" otherwise."""
+    found = WEIGHTS_CAST.search(first)
+    if found is None or not (isinstance(inputs, torch.Tensor) and inputs.dtype == torch.float32):
+        return ""
+    named = next(group for group in found.groups() if group)
+    return CAST_MODEL.get(TORCH_NAMES.get(named, named), "")
 
 
 # DDP's reducer at the forward after a backward that left a parameter without a gradient; its next lines name them
