@@ -228,6 +228,21 @@ def test_a_batch_larger_than_the_data_is_said_once_not_claimed(caplog):
     assert caplog.text == ""
 
 
+def test_a_step_spanning_epochs_is_said(caplog):
+    # --grad-accum 8 over 4 batches an epoch made each step take every sample twice, without a word.
+    data = torch.utils.data.TensorDataset(torch.zeros(32, 2), torch.zeros(32))  # 4 batches of 8 an epoch
+    with caplog.at_level("WARNING", logger="redline"):
+        assert plan_length(data, batch_size=8, world_size=1, grad_accum=8, max_epochs=math.inf, max_steps=3)[0] == 3
+    assert (
+        "grad_accum=8 takes 8 batches for each optimizer step, and an epoch of train_data holds 4: each " in caplog.text
+    )
+    assert "step spans 2 epochs" in caplog.text and "hint: lower --grad-accum to 4 or less" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="redline"):
+        plan_length(data, batch_size=8, world_size=1, grad_accum=4, max_epochs=math.inf, max_steps=3)
+    assert "spans" not in caplog.text
+
+
 def test_batches_grad_accum_leaves_without_a_step_at_the_runs_end_are_said(caplog):
     data = torch.utils.data.TensorDataset(torch.zeros(40, 2), torch.zeros(40))  # 5 batches of 8 an epoch
     with caplog.at_level("WARNING", logger="redline"):

@@ -157,6 +157,12 @@ def plan_length(
             "train_data holds %d items, fewer than a batch of %d: every batch is the whole set of %d\nhint: pass "
             "--batch-size %d to say so, or --grad-accum N for more samples per step", size, batch_size, size, size
         )  # fmt: skip
+    if grad_accum > per_epoch and warn:  # a step sees samples more than once, with no word of it
+        log.warning(
+            "grad_accum=%d takes %d batches for each optimizer step, and an epoch of train_data holds %d: each step "
+            "spans %.3g epochs, its gradient taken over the same samples that many times\nhint: lower --grad-accum "
+            "to %d or less (one epoch a step)", grad_accum, grad_accum, per_epoch, grad_accum / per_epoch, per_epoch,
+        )  # fmt: skip
     # The Runtime counts micro-batches across an epoch's end, so the epochs' steps are their batches over grad_accum
     steps = math.inf if math.isinf(max_epochs) else int(max_epochs * per_epoch) // grad_accum
     if not steps:
