@@ -80,6 +80,24 @@ def test_a_broken_snapshot_prints_the_fix_and_exits_1():
         assert text in result.stdout
 
 
+def test_a_snapshot_file_cut_down_is_refused_naming_what_it_lacks(tmp_path):
+    # Half a saved snapshot was judged: "not macOS (unknown OS)", a failed device smoke check and CUDA advice.
+    from redline.doctor.snapshot import Snapshot, load_snapshot
+
+    whole = Snapshot().to_dict()
+    (tmp_path / "whole.json").write_text(json.dumps(whole))
+    assert load_snapshot(tmp_path / "whole.json") == Snapshot()
+    older = {k: v for k, v in whole.items() if k not in ("amd", "infiniband")}  # format 1 before they were read
+    (tmp_path / "older.json").write_text(json.dumps(older))
+    assert load_snapshot(tmp_path / "older.json").amd is None
+    cut = {k: v for k, v in whole.items() if k not in ("system", "python", "torch")}
+    (tmp_path / "cut.json").write_text(json.dumps(cut))
+    with pytest.raises(ConfigError) as refused:
+        load_snapshot(tmp_path / "cut.json")
+    assert str(refused.value).startswith(f"{tmp_path / 'cut.json'}: snapshot lacks the field(s) system, python, torch,")
+    assert "hint: the file was edited by hand" in str(refused.value)
+
+
 def test_bad_arguments_and_bad_files_exit_2_with_one_clear_line(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"format_version": 1, "driver": {"gpus": "many"}}))

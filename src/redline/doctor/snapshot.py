@@ -14,10 +14,10 @@ import types
 import typing
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any, Literal, TypeVar, Union
+from typing import Any, Literal, TypeVar, Union, cast
 
 from redline.atomic import write_atomic
-from redline.errors import ConfigError, invalid
+from redline.errors import ConfigError, few, invalid
 
 FORMAT_VERSION = 1
 
@@ -233,7 +233,13 @@ def load_snapshot(path: str | Path, *, name: str = "--probe-file") -> Snapshot:
             "this file is the report `redline doctor --json` prints, not the facts it judged; "
             "write those with `redline doctor --save-probe FILE`",
         )  # fmt: skip
-    return Snapshot.from_dict(data, source=f"{path}: snapshot")
+    snapshot = Snapshot.from_dict(data, source=f"{path}: snapshot")  # a value of the wrong type is said first
+    if missing := [f.name for f in fields(Snapshot) if f.name not in {*cast(dict, data), *ADDED_LATER}]:
+        raise ConfigError(  # a file cut down: judged, each check would read what it lacks as unknown
+            f"{path}: snapshot lacks the field(s) {few(missing, 4)}, which every snapshot `--save-probe` writes "
+            f"holds: judged without them, each check would read them as unknown\nhint: {_NEWER_OR_EDITED}"
+        )
+    return snapshot
 
 
 T = TypeVar("T")
@@ -292,6 +298,8 @@ def _coerce_container(origin: Any, args: tuple[Any, ...], value: object, where: 
     return {key: _coerce(args[1], item, f"{where}.{key}") for key, item in value.items()}
 
 
+# The snapshot's fields that format 1 gained after its first files were written: a file without them still loads.
+ADDED_LATER = frozenset({"amd", "infiniband"})
 _NEWER_OR_EDITED = "the file was edited by hand or written by a newer redline; re-create it with `--save-probe`"
 
 
