@@ -213,6 +213,8 @@ def test_callbacks_the_loop_could_not_call_are_refused_before_training():
         "no list": (EveryHook(), r"expected a list of Callback objects\nhint: pass callbacks=\[EveryHook\(\.\.\.\)\]"),
         # a generator of them: the hint was callbacks=[generator(...)]
         "a generator": ((c for c in [EveryHook()]), r"Callback objects\nhint: pass callbacks=list\(\.\.\.\)$"),
+        # a number: the hint was callbacks=[int(...)]
+        "a number": (5, r"Callback objects\nhint: pass callbacks=\[MyCallback\(\)\], instances of redline\.Callback"),
         # the class itself: before, accepted, then every hook a TypeError mid-run
         "a class": (
             [EveryHook],

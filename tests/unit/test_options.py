@@ -199,13 +199,20 @@ def test_a_misspelt_value_is_refused_for_itself_before_it_is_asked_for_an_out_di
 
 @pytest.mark.parametrize("given", ["", "  ", 123, b"runs/x"])
 def test_an_out_dir_that_names_no_folder_is_refused_not_read_as_the_current_one(given):
-    """out_dir="" wrote the whole run (checkpoints, logs, weights) into the current folder; 123 was a TypeError."""
+    """out_dir="" wrote the whole run (checkpoints, logs, weights) into the current folder; 123 was a TypeError,
+    then refused as an empty path set by an unset shell variable."""
     with pytest.raises(ConfigError) as refused:
         TrainerConfig(out_dir=given)  # type: ignore[arg-type]
-    assert str(refused.value) == (
-        f"out_dir={given!r} is not allowed; expected a folder's path, not an empty one\n"
-        "hint: name it; an empty value is often a shell variable that is not set"
-    )
+    if isinstance(given, str):
+        assert str(refused.value) == (
+            f"out_dir={given!r} is not allowed; expected a folder's path, not an empty one\n"
+            "hint: name it; an empty value is often a shell variable that is not set"
+        )
+    else:
+        assert str(refused.value) == (
+            f"out_dir={given!r} is not allowed; expected a folder's path\n"
+            f"hint: pass a str or a Path (this is of type {type(given).__name__})"
+        )
     assert TrainerConfig(out_dir=Path("runs/x")).out_dir == Path("runs/x")
 
 

@@ -115,7 +115,9 @@ def check_callbacks(callbacks: Sequence[Callback] | None, task: Task) -> tuple[l
         return [], None
     if isinstance(callbacks, Callback) or not isinstance(callbacks, Sequence | set | frozenset):
         many = hasattr(callbacks, "__iter__") and not hasattr(callbacks, "on_step")  # a generator of callbacks
-        fix = "callbacks=list(...)" if many else f"callbacks=[{type(callbacks).__name__}(...)]"  # or one, alone
+        one = all(callable(getattr(callbacks, hook, None)) for hook in _HOOKS)  # one Callback, not in a list
+        fix = "callbacks=list(...)" if many else f"callbacks=[{type(callbacks).__name__}(...)]"
+        fix = fix if many or one else "callbacks=[MyCallback()], instances of redline.Callback subclasses"
         raise invalid("callbacks", callbacks, "a list of Callback objects", f"pass {fix}")
     for callback in callbacks:
         if isinstance(callback, type):  # its hooks are plain functions, callable, but without self: mid-run TypeErrors
