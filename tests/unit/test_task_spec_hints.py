@@ -130,3 +130,14 @@ def test_an_out_dir_under_an_unknown_users_home_stays_as_given(tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     assert TrainerConfig(out_dir="~nosuchuser/run").out_dir == Path("~nosuchuser/run"), "as the shell leaves it"
     assert given_file("x.json")("~nosuchuser/x.json") == Path("~nosuchuser/x.json")
+
+
+def test_a_name_that_is_neither_a_task_nor_its_factory_is_said_to_be_of_its_type(tmp_path):
+    # It said the file "has no callable 'SIZE'", though SIZE was there: a number, not a factory.
+    spec = tmp_path / "sized.py"
+    spec.write_text(MAKE.format(model="nn.Linear(2, 1)") + "\nSIZE = 5\n")
+    with pytest.raises(TaskSpecError) as refused:
+        load_task(f"{spec}:SIZE")
+    message = str(refused.value)
+    assert f"{spec} defines 'SIZE' as a value of type int, not a Task or its factory; defined there: make" in message
+    assert message.endswith("hint: name a function that returns a Task, or a Task")

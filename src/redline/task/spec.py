@@ -50,10 +50,12 @@ def find_factory(spec: str) -> Callable[..., Any]:
         near = nearest(factory_name, shown)
         hint = f"did you mean '{spec.rsplit(':', 1)[0]}:{near}'?" if near else "name a function that returns a Task"
         hint = _shadowed(module_name, module, factory_name) or hint
-        raise TaskSpecError(
-            f"task spec {spec!r}: {module_name} has no callable {factory_name!r}; "
-            f"defined there: {few(shown, 12) if shown else 'none'}\nhint: {hint}"
-        )
+        what = f"has no callable {factory_name!r}"
+        if factory is not None:  # there, and no factory: a number, a dataset
+            what = f"defines {factory_name!r} as a value of type {type(factory).__name__}, not a Task or its factory"
+            hint = hint if near and near != factory_name else "name a function that returns a Task, or a Task"
+        listed = few(shown, 12) if shown else "none"
+        raise TaskSpecError(f"task spec {spec!r}: {module_name} {what}; defined there: {listed}\nhint: {hint}")
     return factory
 
 

@@ -179,7 +179,9 @@ def _named_path(name: str, value: object, allowed: str) -> None:
     """Refuse a path field's ``value`` that names no path: an empty or blank one, or no str or path at all."""
     if not isinstance(value, str | os.PathLike):  # a number, say: no path at all, not an empty one
         kind = type(value).__name__
-        raise invalid(name, value, allowed.replace(", not an empty one", ""), f"pass a str or a Path (this is of type {kind})")
+        raise invalid(
+            name, value, allowed.replace(", not an empty one", ""), f"pass a str or a Path (this is of type {kind})"
+        )
     given = os.fspath(value)
     if not isinstance(given, str) or not given.strip():
         raise invalid(name, value, allowed, "name it; an empty value is often a shell variable that is not set")
