@@ -3,6 +3,7 @@
 import pytest
 from test_trial import measured, tiny_task  # the same tiny task, and a trial's numbers
 
+from redline.errors import ConfigError
 from redline.hardware import contention
 from redline.hardware.contention import ENV, Contention, Sampler, Stalls
 from redline.parallel.env import DistEnv
@@ -200,3 +201,13 @@ def test_stalls_count_the_intervals_they_are_entered_for_and_read_the_processs_o
     assert stalls.share() == pytest.approx(0.2)
     (tmp_path / "proc/self/cgroup").write_text("0::/\n")  # the root group, which keeps no file of its own here
     assert Stalls(root=tmp_path).file == tmp_path / "proc/pressure/cpu"
+
+
+@pytest.mark.parametrize(("value", "off"), [("off", True), ("OFF", True), ("on", False), ("", False)])
+def test_the_switch_reads_off_and_on_and_refuses_anything_else(monkeypatch, value, off):
+    # REDLINE_CONTENTION=bogus was read as on, without a word
+    monkeypatch.setenv(ENV, value)
+    assert contention.contention_off() is off
+    monkeypatch.setenv(ENV, "bogus")
+    with pytest.raises(ConfigError, match=r"REDLINE_CONTENTION='bogus' is not allowed; expected off or on"):
+        contention.contention_off()

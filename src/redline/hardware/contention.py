@@ -21,7 +21,19 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from redline.errors import invalid
+
 ENV = "REDLINE_CONTENTION"  # "off": a measurement is taken as quiet whatever the machine's load (tests pin it so)
+
+
+def contention_off() -> bool:
+    """Whether ``ENV`` turns the CPU-load reading off ("off"; unset or "on" reads it); another value is refused."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value not in ("", "on", "off"):
+        raise invalid(ENV, os.environ[ENV], "off or on (unset: on)", "off takes every measurement as quiet")
+    return value == "off"
+
+
 # Under this many seconds the kernel's counts (in ticks of 10 ms) are too coarse to tell a neighbour from rounding.
 LEAST_SECONDS = 0.5
 # A measurement counts as contended where other work left this process fewer free CPUs than this share of the
@@ -94,7 +106,7 @@ class Sampler:
 
     def read(self) -> CpuTimes | None:
         """The counts now; None where they cannot be read (or the check is off)."""
-        if os.environ.get(ENV, "").lower() == "off":
+        if contention_off():
             return None
         try:
             stat = (self.root / "proc/stat").read_text(encoding="utf-8")
@@ -170,7 +182,7 @@ class Stalls:
 
     def read(self) -> tuple[float, int] | None:
         """(now on ``clock``, the microseconds some task has waited for a CPU), or None."""
-        if os.environ.get(ENV, "").lower() == "off":
+        if contention_off():
             return None
         try:
             text = self.file.read_text(encoding="utf-8")
