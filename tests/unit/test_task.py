@@ -19,6 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from redline.errors import ConfigError, RedlineError, TaskSpecError
+from redline.runtime.optimizer import build_optimizer
 from redline.task import Task, call_factory, load_task
 
 
@@ -252,9 +253,17 @@ def test_functions_that_take_what_a_run_passes_them_are_kept() -> None:
 
 
 def test_build_model_rejects_a_factory_that_returns_no_module() -> None:
+    # It said "model()='str' is not allowed", a type name quoted as if it were the value, and no hint.
     task = tiny_task(model=lambda: "not a module")
-    with pytest.raises(ConfigError, match=r"model\(\)"):
+    with pytest.raises(ConfigError) as refused:
         task.build_model()
+    assert str(refused.value) == (
+        "the model factory returned str 'not a module', not an nn.Module\nhint: return the module it builds "
+        "(model=lambda: MyNet(...)), or pass the module itself as model="
+    )
+    with pytest.raises(ConfigError) as again:
+        build_optimizer(lambda params: "sgd", nn.Linear(2, 1))
+    assert str(again.value).startswith("the optimizer factory returned str 'sgd', not a torch.optim.Optimizer\nhint:")
 
 
 # --- fingerprint --------------------------------------------------------------------------------

@@ -29,7 +29,10 @@ def build_optimizer(optimizer: OptimizerLike, model: nn.Module) -> torch.optim.O
         raise invalid("optimizer", type(optimizer).__name__, "a factory params -> Optimizer", f"{why}; e.g. {_FACTORY}")
     built = optimizer(model.parameters())
     if not isinstance(built, torch.optim.Optimizer):
-        raise invalid("optimizer(params)", type(built).__name__, "the factory to return a torch.optim.Optimizer")
+        raise ConfigError(
+            f"the optimizer factory returned {type(built).__name__} {built!r:.60}, not a torch.optim.Optimizer\nhint: "
+            f"build one on the parameters it is given, e.g. {_FACTORY}"
+        )
     _check_params(built, model, factory=True)
     check_no_closure(built)
     return built

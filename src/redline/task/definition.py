@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from redline.config import call_refused, positive_int
-from redline.errors import invalid
+from redline.errors import ConfigError, invalid
 from redline.task.meta import on_meta
 
 OptimizerFactory = Callable[[Any], torch.optim.Optimizer]
@@ -94,7 +94,10 @@ class Task:
                 ) from exc
         model = self.model()
         if not isinstance(model, nn.Module):
-            raise invalid("model()", type(model).__name__, "the factory to return an nn.Module")
+            raise ConfigError(
+                f"the model factory returned {type(model).__name__} {_shown(model)!r}, not an nn.Module\nhint: return "
+                "the module it builds (model=lambda: MyNet(...)), or pass the module itself as model="
+            )
         return model
 
     def outline(self) -> nn.Module:
