@@ -81,3 +81,17 @@ def _pickled_with_a_path() -> bytes:
     buffer = io.BytesIO()
     torch.save({"where": Path("/tmp")}, buffer)
     return buffer.getvalue()
+
+
+def test_a_checkpoint_that_does_not_verify_gives_the_python_fix_beside_the_flag(tmp_path: Path) -> None:
+    # Its hint named --resume auto alone, to a loop of one's own that called rt.load.
+    saved_twice(tmp_path)
+    path = step_dir(tmp_path, 2) / "optimizer.pt"
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    path.write_bytes(bytes(blob))
+    with Runtime(devices="cpu") as rt, pytest.raises(CheckpointError) as raised:
+        rt.setup(nn.Linear(4, 2), lambda params: torch.optim.AdamW(params))
+        rt.load(step_dir(tmp_path, 2))
+    assert "optimizer.pt does not match its checksum (corrupt)" in str(raised.value)
+    assert str(raised.value).endswith("in Python, Trainer(resume='auto'), or rt.load of the one before)")

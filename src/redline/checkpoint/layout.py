@@ -413,7 +413,8 @@ def _agree(path: Path, problems: list[str]) -> None:
         more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
         raise CheckpointError(
             f"{path}: {problems[0]}{more}\n"
-            "hint: the checkpoint is corrupt; resume from an earlier one (--resume auto skips it)"
+            "hint: the checkpoint is corrupt; resume from an earlier one (--resume auto skips it; in Python, "
+            "Trainer(resume='auto'), or rt.load of the one before)"
         )
 
 
