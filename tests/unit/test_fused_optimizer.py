@@ -510,10 +510,12 @@ def test_a_load_into_an_optimizer_stepping_otherwise_than_the_checkpoints_run_sa
     """A loop of one's own resumed with rt.load stepped the kernel a timing picked now (on a busy machine, the
     other one), with no word: the two round differently, and the resumed run did not end as the unbroken one."""
 
-    def run(fused_ms: float, load: bool) -> None:
+    def run(fused_ms: float, load: bool, **user: bool) -> None:
         monkeypatch.setattr(fused, "time_fused", lambda optimizer: timing(1.0, fused_ms))
         with Runtime(RuntimeOptions(devices="cpu")) as rt:
-            model, optimizer = rt.setup(*model_and_optimizer())
+            torch.manual_seed(0)
+            net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+            model, optimizer = rt.setup(net, lambda params: torch.optim.AdamW(params, lr=1e-3, **user))
             if load:
                 rt.load(tmp_path / "ckpt")
                 return
@@ -521,11 +523,18 @@ def test_a_load_into_an_optimizer_stepping_otherwise_than_the_checkpoints_run_sa
             rt.step(optimizer)
             rt.save(tmp_path / "ckpt")
 
-    run(0.3, load=False)  # fused
-    with caplog.at_level("WARNING", logger="redline"):
-        run(0.3, load=True)  # fused again: nothing to say
-    assert "round differently" not in caplog.text
+    run(0.3, load=False)  # fused by the timing
+    for quiet in ({"fused_ms": 0.3}, {"fused_ms": 0.99, "fused": True}):  # fused again: by timing, or by the user
+        with caplog.at_level("WARNING", logger="redline"):
+            run(load=True, **quiet)
+        assert "round differently" not in caplog.text, quiet
     with caplog.at_level("WARNING", logger="redline"):
         run(0.99, load=True)
-    assert "ckpt: its run stepped AdamW fused, and this run steps it as given (" in caplog.text
+    assert "ckpt: its run stepped AdamW fused, and this run steps it unfused (as given: " in caplog.text
     assert "hint: to resume it exactly, build the optimizer with fused=True, as that run did" in caplog.text
+    caplog.clear()
+    run(0.3, load=False, fused=False)  # the user's unfused, loaded where the timing picks fused
+    with caplog.at_level("WARNING", logger="redline"):
+        run(0.3, load=True)
+    assert "its run stepped AdamW unfused, and this run steps it fused (fused: " in caplog.text
+    assert "build the optimizer with fused=False" in caplog.text

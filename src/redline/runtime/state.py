@@ -12,19 +12,18 @@ import logging
 import operator
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, cast, get_args
+from typing import Any, cast
 
 import torch
 from torch import nn
 
-from redline.checkpoint import Checkpoint, CheckpointError, load_plan, open_verified
+from redline.checkpoint import Checkpoint, open_verified
 from redline.checkpoint.whole import plain_module
 from redline.errors import ConfigError, invalid
 from redline.parallel.collectives import gather_objects, peers_said
 from redline.parallel.env import DistEnv
 from redline.plan import Choice, Plan
 from redline.plan.micro_batch import found_size
-from redline.plan.optimizer import OptimizerImpl
 from redline.runtime.cycle import Cycle
 from redline.runtime.micro import MicroBatcher, OomEvent
 from redline.runtime.optimizer import changed_options, group_options, loaded_options, match_state_layout
@@ -152,6 +151,7 @@ class RunState:
             runtime_state = {
                 "precision": self.precision.state_dict(), "rng": gather_objects(capture_rng()),
                 "optimizer_options": self._built_options, "oom_events": [_event_state(e) for e in self._micro.events],
+                "optimizer_fused": [self.device.type, _fused(optimizer)],  # how it stepped, where: a resume holds it
             }  # fmt: skip
             plan = self.explain().to_dict()
             return strategy.save(
@@ -183,8 +183,9 @@ class RunState:
             if self.env.is_main:
                 _warn_options(checkpoint.path, type(optimizer).__name__, self._built_options, now, saved)
             self._built_options = now
-        if self.env.is_main:
-            _warn_implementation(checkpoint, self._plan.optimizer, type(optimizer).__name__, self.device.type)
+        stepped = runtime_state.get("optimizer_fused")  # none in a checkpoint of an earlier redline
+        if self.env.is_main and stepped == [self.device.type, not _fused(optimizer)]:
+            _warn_implementation(checkpoint.path, optimizer, self._plan.optimizer, fused=stepped[1])
         self._restart_cycle(checkpoint.step)
         self._micro.events = [_event(e) for e in runtime_state.get("oom_events") or []]  # the run's recoveries so far
         self.precision.load_state_dict(dict(runtime_state.get("precision") or {}))
@@ -254,21 +255,21 @@ def _warn_options(
         )  # fmt: skip
 
 
-def _warn_implementation(checkpoint: Checkpoint, now: Choice[str] | None, name: str, device: str) -> None:
-    """Say where this run steps its optimizer (``name``) otherwise than the checkpoint's run did on the same kind of
-    ``device`` (fused, or as given): the two round differently, so the resumed run does not end as the unbroken one.
-    The Trainer takes the checkpoint's; a loop of one's own builds the optimizer so."""
-    try:
-        plan = load_plan(checkpoint)
-        then, where = plan["optimizer"]["value"], torch.device(str(plan["device"]["value"])).type
-    except (CheckpointError, KeyError, TypeError, RuntimeError):  # an earlier version's Plan, without the rows
-        return
-    if now is None or then not in get_args(OptimizerImpl) or then == now.value or where != device:
-        return
+def _fused(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` steps with torch's fused kernel (its groups' ``fused`` flag)."""
+    return any(bool(group.get("fused")) for group in optimizer.param_groups)
+
+
+def _warn_implementation(path: Path, optimizer: torch.optim.Optimizer, now: Choice[str] | None, *, fused: bool) -> None:
+    """Say where this run steps ``optimizer`` otherwise than the checkpoint's run did (``fused`` or not) on the same
+    kind of device: the two round differently, so the resumed run does not end as the unbroken one. The Trainer
+    takes the checkpoint's where it can; a loop of one's own builds the optimizer so."""
+    name, why = type(optimizer).__name__, f" ({now.value}: {now.reason})" if now is not None else ""
+    then, this = ("fused", "unfused") if fused else ("unfused", "fused")
     log.warning(
-        "%s: its run stepped %s %s, and this run steps it %s (%s): the two round differently, so the resumed run "
-        "will not end exactly as the unbroken one would\nhint: to resume it exactly, build the optimizer with "
-        "fused=%s, as that run did", checkpoint.path, name, then, now.value, now.reason, then == "fused",
+        "%s: its run stepped %s %s, and this run steps it %s%s: the two round differently, so the resumed run will "
+        "not end exactly as the unbroken one would\nhint: to resume it exactly, build the optimizer with fused=%s, "
+        "as that run did", path, name, then, this, why, fused,
     )  # fmt: skip
 
 
