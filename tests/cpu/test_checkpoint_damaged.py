@@ -55,8 +55,8 @@ def test_a_file_that_matches_its_manifest_but_cannot_be_parsed_is_named_with_the
     message = str(raised.value)
     assert message.startswith(f"{step_dir(tmp_path, 2) / name} cannot be read ({reader}"), message
     assert "though its size and checksum are those its manifest records: it was written damaged" in message
-    assert f"hint: move {step_dir(tmp_path, 2)} out of {tmp_path} (to look at it later): a resume" in message
-    assert message.endswith(f"continues from the checkpoint before it, {step_dir(tmp_path, 1)}")
+    assert f"hint: move {step_dir(tmp_path, 2)} out of {tmp_path} (to look at it later) and resume from the " in message
+    assert f"checkpoint before it, {step_dir(tmp_path, 1)}: where this one was the newest, --resume auto" in message
 
 
 def test_a_garbled_plan_is_named_and_a_first_checkpoint_has_none_before_it(tmp_path: Path) -> None:
@@ -95,3 +95,25 @@ def test_a_checkpoint_that_does_not_verify_gives_the_python_fix_beside_the_flag(
         rt.load(step_dir(tmp_path, 2))
     assert "optimizer.pt does not match its checksum (corrupt)" in str(raised.value)
     assert str(raised.value).endswith("in Python, Trainer(resume='auto'), or rt.load of the one before)")
+
+
+@pytest.mark.parametrize(
+    "raised",
+    [
+        RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 1 bytes"),
+        MemoryError(),
+        RuntimeError("CUDA error: an illegal memory access was encountered"),
+    ],
+)
+def test_a_failure_that_is_no_damage_of_the_files_passes_as_it_is(tmp_path: Path, monkeypatch, raised) -> None:
+    # Every exception a reader raised was called damage, and the hint told the user to set a good checkpoint aside.
+    saved_twice(tmp_path)
+
+    def fails(*args, **kwargs):
+        raise raised
+
+    monkeypatch.setattr(torch, "load", fails)
+    with Runtime(devices="cpu") as rt, pytest.raises(type(raised)) as passed:
+        rt.setup(nn.Linear(4, 2), lambda params: torch.optim.AdamW(params))
+        rt.load(step_dir(tmp_path, 2))
+    assert passed.value is raised

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import pickle
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,15 +30,28 @@ def load_plan(checkpoint: Checkpoint) -> dict[str, Any]:
 def parsing(path: Path, passing: type[Exception] = RedlineError) -> Iterator[None]:
     """Reading ``path``, a file of a committed checkpoint: what its reader raises on contents it cannot parse
     (safetensors' or torch's zip reader, JSON) is a CheckpointError naming the file and the checkpoint before it.
-    A redline error, an out-of-memory, a failure of the file system (an OSError) and ``passing`` pass as they are."""
+    Anything else (an out-of-memory, a device's error, the file system's OSError, ``passing``) passes as it is."""
     try:
         yield
     except (RedlineError, OSError, passing):
         raise
     except Exception as exc:
-        if type(exc).__name__ == "OutOfMemoryError":  # torch's, loading onto a full GPU: no damage of the file's
+        if not _unparsable(exc):  # out of memory, a device's error: nothing the file's bytes did
             raise
         raise unparsed(path, exc) from exc
+
+
+ZIP_READER = ("PytorchStreamReader", "zip archive", "inline_container")  # torch.load's words for a torn zip file
+
+
+def _unparsable(exc: Exception) -> bool:
+    """Whether ``exc`` is a reader's refusal of a file's bytes: safetensors' header, torch's zip reader, JSON or text
+    that does not decode, a pickle cut short."""
+    if isinstance(exc, json.JSONDecodeError | UnicodeDecodeError | EOFError | pickle.UnpicklingError):
+        return True
+    if type(exc).__name__ == "SafetensorError":
+        return True
+    return isinstance(exc, RuntimeError) and any(words in str(exc) for words in ZIP_READER)
 
 
 def unparsed(path: Path, exc: BaseException) -> CheckpointError:
@@ -46,8 +60,9 @@ def unparsed(path: Path, exc: BaseException) -> CheckpointError:
     earlier = earlier_than(path.parent)
     if earlier is not None:
         fix = (
-            f"move {path.parent} out of {path.parent.parent} (to look at it later): a resume (--resume auto; in "
-            f"Python, resume='auto') then continues from the checkpoint before it, {earlier.path}"
+            f"move {path.parent} out of {path.parent.parent} (to look at it later) and resume from the checkpoint "
+            f"before it, {earlier.path}: where this one was the newest, --resume auto (resume='auto') then takes "
+            "that one; in a loop of your own, rt.load it"
         )
     else:
         fix = "no earlier checkpoint of the run is beside it: start the run again (another --out)"

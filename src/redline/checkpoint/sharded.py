@@ -52,6 +52,7 @@ from redline.checkpoint.layout import (
 )
 from redline.checkpoint.layout import write_json as write_document
 from redline.checkpoint.loadable import check_loadable, load_safely
+from redline.checkpoint.reading import parsing
 from redline.checkpoint.shapes import Shapes, check_same_model, shapes_of
 from redline.checkpoint.writing import save_object
 from redline.errors import describe_error, few
@@ -303,7 +304,8 @@ def _check_same_optimizer(checkpoint: Checkpoint, live: Mapping[str, Any]) -> No
 
 def saved_shapes(checkpoint: Checkpoint) -> Shapes:
     """Return the whole shapes of the checkpoint's model tensors by name, from DCP's metadata (no shard is read)."""
-    metadata = FileSystemReader(checkpoint.path).read_metadata()
+    with parsing(checkpoint.path / ".metadata"):  # DCP's pickled index of the shards
+        metadata = FileSystemReader(checkpoint.path).read_metadata()
     prefix = "model."  # DCP flattens {"model": {name: tensor}} into "model.<name>"
     return {
         key.removeprefix(prefix): tuple(entry.size)
