@@ -304,13 +304,27 @@ def test_a_batch_of_the_wrong_dtype_gets_the_cast_to_make_not_a_hint_of_shapes(i
     assert "shaped as the model expects" not in str(err.value)
 
 
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv1d(1, 2, 3, bias=False)  # a convolution without bias: torch's other words for it
+
+    def forward(self, x):
+        return self.conv(x.unsqueeze(1)).mean(-1)
+
+
 @pytest.mark.parametrize(
-    ("cast", "said"), [("double", "float64 (a .double() model)"), ("half", "float16 (a .half() model)")]
+    ("build", "cast", "said"),
+    [
+        (lambda: nn.Linear(4, 2), "double", "float64 (a .double() model)"),
+        (lambda: nn.Linear(4, 2), "half", "float16 (a .half() model)"),
+        (ConvNet, "double", "float64 (a .double() model)"),
+    ],
 )
-def test_a_model_cast_to_another_dtype_is_named_not_the_float32_inputs(cast, said):
+def test_a_model_cast_to_another_dtype_is_named_not_the_float32_inputs(build, cast, said):
     # The hint said to cast the inputs .float() "to match the model's float32 weights": they were float32 already.
-    task = tiny_task(model=lambda: getattr(nn.Linear(4, 2), cast)(), val_data=None)
-    with pytest.raises(TrainingError, match=r"step 1: the model or loss raised RuntimeError: mat1 and mat2") as err:
+    task = tiny_task(model=lambda: getattr(build(), cast)(), val_data=None)
+    with pytest.raises(TrainingError, match=r"step 1: the model or loss raised RuntimeError: ") as err:
         quiet(task, max_steps=1, trial="off").fit()
     assert f"\nhint: the inputs are float32 and the model's weights are {said}: build the model in float32" in str(
         err.value

@@ -284,11 +284,19 @@ WEIGHTS_CAST = re.compile(
     r"mat1 and mat2 must have the same dtype, but got Float and (\w+)"
     r"|Input type \(float\) and (?:bias|weight) type \(([\w:]+)\) should be the same"
     r"|input dtype \(torch\.float32\) does not match weight dtype \(torch\.(\w+)\)"
+    r"|Input type \(torch\.(?:cuda\.)?FloatTensor\) and weight type \(torch\.(?:cuda\.)?(\w+)Tensor\)"
+    r"|expected scalar type Float but found (\w+)"  # a convolution without bias, on a CPU
 )
 CAST_MODEL = {"float64": "are float64 (a .double() model)", "float16": "are float16 (a .half() model)",
               "bfloat16": "are bfloat16 (a .bfloat16() model)"}  # fmt: skip
-TORCH_NAMES = {"Double": "float64", "double": "float64", "Half": "float16", "c10::Half": "float16",
-               "BFloat16": "bfloat16", "c10::BFloat16": "bfloat16"}  # fmt: skip
+TORCH_NAMES = {
+    "Double": "float64",
+    "double": "float64",
+    "Half": "float16",
+    "c10::Half": "float16",
+    "BFloat16": "bfloat16",
+    "c10::BFloat16": "bfloat16",
+}  # fmt: skip (DoubleTensor's "Double" too)
 
 
 def _model_dtype(first: str, inputs: Any) -> str:

@@ -157,7 +157,7 @@ def plan_length(
             "train_data holds %d items, fewer than a batch of %d: every batch is the whole set of %d\nhint: pass "
             "--batch-size %d to say so, or --grad-accum N for more samples per step", size, batch_size, size, size
         )  # fmt: skip
-    if grad_accum > per_epoch and warn:  # a step sees samples more than once, with no word of it
+    if grad_accum > per_epoch and not drop_last and warn:  # said once: the first count (a compiled run counts again)
         log.warning(
             "grad_accum=%d takes %d batches for each optimizer step, and an epoch of train_data holds %d: each step "
             "spans %.3g epochs, its gradient taken over the same samples that many times\nhint: lower --grad-accum "
