@@ -157,7 +157,10 @@ def test_a_worker_count_far_past_the_cores_is_refused_before_any_worker_starts(d
         resolve_loader(facts(), device, workers=most + 1)
     message = str(refused.value)
     assert message.startswith(f"loader_workers={most + 1} is not allowed; expected at most {most} worker processes")
-    assert f"({device.cpu_count} CPU core(s), 4 per core)" in message and "hint: ask for fewer" in message
+    assert f"({device.cpu_count} CPU core(s): 4 per core, or 8 on fewer cores)" in message
+    assert "hint: ask for fewer" in message
+    # a stream read by one worker at most starts one: the count asked for is no fork bomb there
+    assert resolve_loader(facts(worker_limit=1), device, workers=most + 1).value.num_workers == 1
 
 
 @pytest.mark.parametrize("device", [H100, SMALL_CPU])

@@ -76,8 +76,9 @@ def check_worker_count(workers: int, cores: int) -> None:
     most = max(MAX_WORKERS, WORKERS_PER_CORE * cores)
     if workers > most:
         raise invalid(
-            "loader_workers", workers, f"at most {most} worker processes on this machine ({cores} CPU core(s), "
-            f"{WORKERS_PER_CORE} per core): each is a process holding its own copy of the dataset",
+            "loader_workers", workers, f"at most {most} worker processes on this machine ({cores} CPU core(s): "
+            f"{WORKERS_PER_CORE} per core, or {MAX_WORKERS} on fewer cores): each is a process holding its own copy "
+            "of the dataset",
             f"ask for fewer (--loader-workers {min(most, max(1, cores - 1))}, say), or leave it out: the Plan picks a "
             "count for the device",
         )  # fmt: skip
@@ -107,9 +108,9 @@ def _resolve(loader: LoaderFacts, facts: DeviceFacts, workers: int | None) -> Ch
     if loader.subclass:
         return Choice(keep, _kept_subclass(loader, workers))
     if workers is not None:
-        check_worker_count(workers, facts.cpu_count)
         limited = loader.worker_limit is not None and workers > loader.worker_limit
         workers = min(workers, loader.worker_limit) if loader.worker_limit is not None else workers
+        check_worker_count(workers, facts.cpu_count)  # those that would start: a stream's one is no fork bomb
         persist = _persistent(loader, workers)
         asked = LoaderSettings(
             num_workers=workers,
