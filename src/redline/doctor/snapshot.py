@@ -3,8 +3,9 @@
 Probing writes a Snapshot; the checks are pure functions of one. A snapshot saved as JSON
 (`redline doctor --save-probe FILE`) is judged on any other machine (`--probe-file FILE`), which is
 how a user sends the state of their machine with a bug report. docs/doctor.md documents each field.
-Every field has a default so that a file lacking a fact still loads; an unknown field, a value of
-the wrong type or a newer ``format_version`` is refused with the path of the offending value.
+Every field has a default, so partial data (the tests') builds; a file read back must hold every top-level
+field but those format 1 gained later (``ADDED_LATER``). An unknown field, a value of the wrong type or a
+newer ``format_version`` is refused with the path of the offending value.
 """
 
 from __future__ import annotations
