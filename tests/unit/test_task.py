@@ -258,9 +258,17 @@ def test_build_model_rejects_a_factory_that_returns_no_module() -> None:
     with pytest.raises(ConfigError) as refused:
         task.build_model()
     assert str(refused.value) == (
-        "the model factory returned str 'not a module', not an nn.Module\nhint: return the module it builds "
+        "the model factory returned 'not a module', not an nn.Module\nhint: return the module it builds "
         "(model=lambda: MyNet(...)), or pass the module itself as model="
     )
+    for returned, said in [
+        (None, "returned None, not an nn.Module\nhint: the factory returns nothing: end it with `return model`"),
+        (nn.Linear, "returned the class Linear, not an nn.Module\nhint: it returned the class: return an instance"),
+        ((1, 2), "returned a tuple, not an nn.Module"),
+    ]:
+        with pytest.raises(ConfigError) as refused:
+            tiny_task(model=lambda returned=returned: returned).build_model()
+        assert said in str(refused.value)
     with pytest.raises(ConfigError) as again:
         build_optimizer(lambda params: "sgd", nn.Linear(2, 1))
     assert str(again.value).startswith("the optimizer factory returned str 'sgd', not a torch.optim.Optimizer\nhint:")

@@ -94,10 +94,14 @@ class Task:
                 ) from exc
         model = self.model()
         if not isinstance(model, nn.Module):
-            raise ConfigError(
-                f"the model factory returned {type(model).__name__} {_shown(model)!r}, not an nn.Module\nhint: return "
-                "the module it builds (model=lambda: MyNet(...)), or pass the module itself as model="
-            )
+            fix = "return the module it builds (model=lambda: MyNet(...)), or pass the module itself as model="
+            if model is None:
+                fix = "the factory returns nothing: end it with `return model`, the module it built"
+            elif isinstance(model, type) and issubclass(model, nn.Module):
+                fix = f"it returned the class: return an instance, {model.__name__}(...)"
+            shown = f"a {type(model).__name__}" if isinstance(_shown(model), _Kind) else f"{model!r}"
+            shown = f"the class {model.__name__}" if isinstance(model, type) else shown
+            raise ConfigError(f"the model factory returned {shown}, not an nn.Module\nhint: {fix}")
         return model
 
     def outline(self) -> nn.Module:
