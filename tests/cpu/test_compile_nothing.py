@@ -66,3 +66,24 @@ def test_a_compiled_mlp_still_counts_its_graph():
     record = compile_module(model)
     model(torch.randn(3, 4)).sum().backward()
     assert record.compiles == 1 and record.fell_back is None
+
+
+def test_a_closed_runtime_gives_the_model_its_own_forward_back():
+    # In a notebook, a model a Runtime compiled stayed compiled after it closed: called later with another batch,
+    # it compiled again ("compiled DigitsCNN again") under a Runtime with compile off, whose Plan said off.
+    from redline.runtime.compiler_facts import frames
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    with redline.Runtime(devices="cpu", compile="on") as rt:
+        compiled, optimizer = rt.setup(model, lambda params: torch.optim.SGD(params, lr=0.1))
+        rt.backward(compiled(torch.randn(3, 4)).sum())
+        rt.step(optimizer)
+        assert "forward" in vars(model) and rt.compiles[0] == 1
+    assert "forward" not in vars(model)  # the class's forward, as the user built it
+    tried = frames("total")
+    with redline.Runtime(devices="cpu", compile="off") as rt:
+        again, optimizer = rt.setup(model, lambda params: torch.optim.SGD(params, lr=0.1))
+        rt.backward(again(torch.randn(5, 4)).sum())  # another batch size: compiled, it would compile again
+        rt.step(optimizer)
+        assert rt.explain().compile.value is False
+    assert frames("total") == tried

@@ -87,6 +87,20 @@ class CompileRecord:
     eager: Any = None  # the module's own forward, before compiling
     code: Any = None  # the code object torch.compile keeps the graphs of
     parked: Any = None  # the compiled forward while ``use_eager`` has the module run its own
+    own: Any = None  # what the module's __dict__ held as "forward" before compiling (``_NO_FORWARD``: nothing)
+    installed: Any = None  # the CompiledForward compiling put there
+
+    def restore(self) -> None:
+        """Give the module back the forward it had before compiling, unless something else took its place since: a
+        closed Runtime's model runs as its user built it, and a later Runtime (compile off) finds it uncompiled."""
+        model = self.module
+        if model is None or model.__dict__.get("forward") not in (self.installed, self.eager, self.parked):
+            return
+        if self.own is _NO_FORWARD:
+            model.__dict__.pop("forward", None)
+        else:
+            model.forward = self.own
+        self.parked = None
 
     def use_eager(self) -> None:
         """Have the module run its own forward from now on (``use_compiled`` brings the compiled one back)."""
@@ -373,6 +387,9 @@ def collect_backward_compiles() -> None:
     _BackwardCompiles.collect()
 
 
+_NO_FORWARD = object()  # a module's __dict__ held no "forward" of its own: its class's runs
+
+
 class CompiledForward:
     """What ``compile_module`` puts in place of a module's forward: ``call``, its compiled forward.
 
@@ -464,6 +481,7 @@ def compile_module(model: nn.Module, *, per_bucket: bool = False, **options: Any
             _count_compile(record, start, backward_before)
         return out
 
-    model.forward = CompiledForward(counted, eager)
+    record.own = model.__dict__.get("forward", _NO_FORWARD)
+    model.forward = record.installed = CompiledForward(counted, eager)
     _RECORDS[model] = record
     return record

@@ -210,6 +210,8 @@ class Runtime(FormsReport, RunState):
             self._graphs.drop()
         if self._compile_check is not None:  # the model keeps no hook of the run's
             self._compile_check.close()
+        for record in self._compile_records:  # nor its compiled forward: a later Runtime (compile off) runs it eagerly
+            record.restore()
         self._layout.close()
 
     def __enter__(self) -> Runtime:
