@@ -48,7 +48,11 @@ class SlowItems(Dataset):
 def test_a_profile_splits_the_step_into_its_phases_and_writes_the_trace(tmp_path):
     trace = tmp_path / "deep" / "trace.json.gz"
     wide = small_task(model=lambda: nn.Sequential(nn.Linear(16, 512), nn.ReLU(), nn.Linear(512, 4)))
+    torch.manual_seed(1234)
     found = redline.profile(wide, devices="cpu", precision="fp32", compile=False, steps=3, warmup=1, trace=trace)
+    drawn = torch.rand(3)  # the caller's stream goes on as it was: a notebook's later cells draw as without it
+    torch.manual_seed(1234)
+    assert torch.equal(drawn, torch.rand(3))
     assert found.breakdown.steps == 3 and found.breakdown.device_busy is None
     phases = {p.name: p for p in found.breakdown.phases}
     assert list(phases) == ["data", "forward", "backward", "optimizer", "other"]

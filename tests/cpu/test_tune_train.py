@@ -70,9 +70,13 @@ def measured_entries(cache: Path) -> list[Path]:
 
 def test_a_task_no_candidate_can_run_is_refused_and_no_plan_is_cached(tmp_path):
     task = dataclasses.replace(mlp_task(), model=lambda: nn.Linear(7, 3))  # the data has 8 features
+    torch.manual_seed(1234)
     with pytest.raises(TrainingError, match=r"no candidate of mlp ran \(\d+ tried\); fp32, eager: it failed: Runtime"):
         tune(task, devices="cpu", budget_s=5, steps=1, window=1)
     assert not measured_entries(tmp_path / "cache")  # `--plan tuned` finds nothing made of failures
+    drawn = torch.rand(3)  # its candidates seed torch: the caller's random stream goes on as it was, raised or not
+    torch.manual_seed(1234)
+    assert torch.equal(drawn, torch.rand(3))
 
 
 def test_a_budget_spent_before_the_first_axis_is_refused_by_its_flag_and_nothing_is_cached(tmp_path):

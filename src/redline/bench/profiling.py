@@ -41,6 +41,7 @@ from redline.plan.device import resolve_device
 from redline.plan.precision import fast_precisions
 from redline.runtime.contract import users_failure
 from redline.runtime.options import CompileMode, RuntimeOptions
+from redline.runtime.seed import keeps_rng
 from redline.task import Task, require_task
 
 TOP_OPS = 8
@@ -100,6 +101,7 @@ class Profile:
         return data
 
 
+@keeps_rng  # it seeds torch for its own steps: the caller's RNG streams go on as they were
 def profile(
     task: Task,
     *,

@@ -51,6 +51,7 @@ from redline.plan.attention import DEFAULT
 from redline.plan.device import resolve_device
 from redline.runtime.attention import AttentionCall, attention_kernels, model_attention
 from redline.runtime.options import RuntimeOptions
+from redline.runtime.seed import keeps_rng
 from redline.runtime.trial import Measured, judge
 from redline.runtime.tuned import (
     BUSY_NOTE,
@@ -77,6 +78,7 @@ _PICK_OWN = {"attention": Choice(DEFAULT, "torch's pick per call: the tune times
 Progress = Callable[[int, int, str], None]
 
 
+@keeps_rng  # it seeds torch for its own steps: the caller's RNG streams go on as they were
 def tune(
     task: Task,
     *,
