@@ -377,6 +377,10 @@ def test_a_search_stopped_by_ctrl_c_keeps_the_sizes_it_ran_and_the_command_says_
         redline.find_batch_size(limited_task(6, "forward"), options=CPU, max_batch_size=64)
     assert isinstance(stopped.value, KeyboardInterrupt) and stopped.value.signum == 2
     assert [(size, ok) for size, ok, _ in stopped.value.tried] == [(1, True), (2, True), (4, True)]
+    assert str(stopped.value) == (  # from Python it said "2", the signal's number
+        "find_batch_size stopped by SIGINT after batch sizes 1 (fits), 2 (fits), 4 (fits); the largest that "
+        "fitted: 4 (.tried holds them)"
+    )
 
     def stopped_search(*args, **kwargs):
         raise stopped.value

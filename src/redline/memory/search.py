@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import signal
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -70,6 +71,13 @@ class SearchStopped(Terminated):
     def __init__(self, signum: int, tried: tuple[Tried, ...]) -> None:
         super().__init__(signum)
         self.tried = tried
+
+    def __str__(self) -> str:  # not the bare signal number a KeyboardInterrupt's args would print
+        fitted = [size for size, fits, _ in self.tried if fits]
+        ran = ", ".join(f"{size} ({'fits' if fits else 'out of memory'})" for size, fits, _ in self.tried)
+        told = f"after batch sizes {ran}" if ran else "before any batch size was tried"
+        best = f"; the largest that fitted: {max(fitted)}" if fitted else ""
+        return f"find_batch_size stopped by {signal.Signals(self.signum).name} {told}{best} (.tried holds them)"
 
 
 def next_batch_size(tried: Sequence[tuple[int, bool]], *, start: int, cap: int | None = None) -> int | None:
