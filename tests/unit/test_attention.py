@@ -74,6 +74,10 @@ def test_auto_leaves_torchs_pick_per_call_and_a_kernel_named_is_checked_against_
     assert resolve_attention("auto", CPU).reason.startswith("auto: torch picks per call: its CPU flash kernel")
     assert str(resolve_attention("cudnn", H100)) == "cudnn: requested: cudnn for every call it takes, math for the rest"
     assert resolve_attention("math", CPU).reason == "requested: math for every call"
+    with pytest.raises(
+        ConfigError, match=r"attention='flashy' is not allowed; .*\nhint: did you mean attention='flash'"
+    ):
+        resolve_attention("flashy", CPU)  # the kernels were named, without the one meant
     with pytest.raises(ConfigError, match=r"(?s)attention='efficient' is not allowed; expected 'auto', 'flash' or "
                        r"'math' on a CPU\nhint: .*efficient is a CUDA kernel"):  # fmt: skip
         resolve_attention("efficient", CPU)

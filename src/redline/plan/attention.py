@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-from redline.errors import invalid
+from redline.errors import invalid, one_of
 from redline.hardware.device import DeviceFacts
 from redline.plan import Choice
 
@@ -52,7 +52,7 @@ def check_attention(requested: str, facts: DeviceFacts) -> None:
     if requested == "auto":
         return
     if requested not in KERNELS:
-        raise invalid("attention", requested, "auto, " + ", ".join(KERNELS))
+        raise one_of("attention", requested, ("auto", *KERNELS))  # with the kernel a mistyped name meant
     if facts.type == "cpu" and requested not in _CPU_KERNELS:
         raise invalid(
             "attention", requested, "'auto', 'flash' or 'math' on a CPU",
