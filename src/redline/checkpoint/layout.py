@@ -182,18 +182,19 @@ def write_failure(final: Path, tmp: Path, exc: OSError, *, remove: bool = True) 
         )
     if remove:
         shutil.rmtree(tmp, ignore_errors=True)
-    none = not find_checkpoints(final.parent)
+    held = bool(find_checkpoints(final.parent))
+    over = "" if held else " (with none, it starts over)"
     return CheckpointError(
         f"{final}: the checkpoint could not be written: {exc.strerror or exc}{where}; the part written is removed, "
-        f"and {committed_before(final)}\nhint: free space on that disk (or make it writable again), then run the same "
-        f"command again with --resume auto to continue from the newest{' (with none, it starts over)' if none else ''}"
+        f"and {committed_before(final, held)}\nhint: free space on that disk (or make it writable again), then run "
+        f"the same command again with --resume auto to continue from the newest{over}"
     )
 
 
-def committed_before(final: Path) -> str:
+def committed_before(final: Path, held: bool | None = None) -> str:
     """What a failed write of checkpoint ``final`` leaves: the checkpoints committed under its folder before it (one
-    it was to replace too), or none (a run's first)."""
-    if find_checkpoints(final.parent):
+    it was to replace too), or none (a run's first); ``held``: whether there are any, where the caller looked."""
+    if held if held is not None else find_checkpoints(final.parent):
         return f"the checkpoints committed before it under {final.parent} are intact"
     return f"no checkpoint was committed before it under {final.parent}"
 

@@ -328,7 +328,7 @@ def _captured_nothing(record: CompileRecord, start: float, breaks_before: list[s
     record.seconds = (record.seconds or 0.0) + spent
     record.training_seconds += spent if torch.is_grad_enabled() else 0.0
     log.warning("%s; running eagerly\nhint: pass compile='off' to skip the attempt", record.fell_back)
-    model.forward = record.eager
+    record.restore()  # its own forward from then on, as a closed Runtime leaves it
     return out
 
 

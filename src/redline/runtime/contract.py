@@ -296,7 +296,7 @@ TORCH_NAMES = {
     "c10::Half": "float16",
     "BFloat16": "bfloat16",
     "c10::BFloat16": "bfloat16",
-}  # fmt: skip (DoubleTensor's "Double" too)
+}  # the old tensor types' names too: torch.DoubleTensor gives "Double"
 
 
 def _model_dtype(first: str, inputs: Any) -> str:
