@@ -794,6 +794,7 @@ def test_a_measure_start_past_its_cap_is_refused_by_the_flags_the_user_typed():
     assert "--start=100 is not allowed; expected at most 50 (--max-batch-size 50)" in message, message
     assert "hint: pass --start 50 or less, or --max-batch-size 100 or more" in message, message
     assert "max_batch_size" not in message
+    assert "running training steps" not in result.output  # refused before the search says it runs
 
 
 def test_a_bad_task_spec_under_nproc_is_refused_once_before_any_worker_starts(redline_here):

@@ -23,7 +23,7 @@ from redline.hardware.device import DeviceFacts, probe_accelerators, probe_devic
 from redline.hardware.memory import machine_memory_bytes, memory_limit_bytes
 from redline.memory.fit import MAX_MEM_GIB, MemoryFit, catalog_memory_note, fit_choices, fit_memory, gpu_facts
 from redline.memory.host import free_bytes
-from redline.memory.search import find_batch_size
+from redline.memory.search import check_start, find_batch_size
 from redline.parallel.env import read_env
 from redline.render.console import output_console, print_uncut, result_out
 from redline.render.memory import memory_tables
@@ -79,28 +79,7 @@ def memory(
         raise invalid(
             "--mem-gib", mem_gib, f"a finite positive number of GiB, at most {MAX_MEM_GIB} (1 PiB)", "e.g. --mem-gib 24"
         )
-    if measure and (gpu is not None or mem_gib is not None):
-        raise ConfigError(
-            "--measure runs on this machine's own device; --gpu and --mem-gib weigh an estimate against another\n"
-            "hint: drop --gpu/--mem-gib to measure here, or drop --measure to estimate for that GPU"
-        )
-    if measure and gpus is not None:
-        raise ConfigError(
-            f"--gpus {gpus} sizes the FSDP rows of an estimate; --measure runs on this machine's device and would "
-            "ignore it\nhint: drop --gpus; to search on several GPUs, run it under redline launch, where every "
-            "process searches together"
-        )
-    if measure and batch_size is not None:
-        raise ConfigError(
-            f"--batch-size {batch_size} with --measure: the search tries its own sizes and would ignore it\n"
-            "hint: pass --start N to begin the search at N, or drop --measure to estimate that batch"
-        )
-    if not measure and (start is not None or max_batch_size is not None):
-        given = "--start" if start is not None else "--max-batch-size"
-        raise ConfigError(
-            f"{given} bounds the search that --measure runs; without --measure nothing would read it\n"
-            "hint: add --measure to find the largest batch by running it here, or drop it to estimate"
-        )
+    _check_search_flags(measure, gpu, mem_gib, gpus, batch_size, start, max_batch_size)
     weighed = None if measure else _device(gpu, mem_gib)  # before loading the task: a flag mistake shows at once
     if gpus is not None and weighed is not None and weighed[1].type != "cuda":
         raise ConfigError(
@@ -135,6 +114,43 @@ def memory(
     if told:  # which figure of a catalog GPU's memory it was weighed against
         result = dataclasses.replace(result, notes=(told, *result.notes))
     _print(result, json_output)
+
+
+def _check_search_flags(
+    measure: bool,
+    gpu: str | None,
+    mem_gib: float | None,
+    gpus: int | None,
+    batch_size: int | None,
+    start: int | None,
+    max_batch_size: int | None,
+) -> None:
+    """Refuse flags that the chosen way (an estimate, or ``--measure``'s search) would not read."""
+    if measure and (gpu is not None or mem_gib is not None):
+        raise ConfigError(
+            "--measure runs on this machine's own device; --gpu and --mem-gib weigh an estimate against another\n"
+            "hint: drop --gpu/--mem-gib to measure here, or drop --measure to estimate for that GPU"
+        )
+    if measure and gpus is not None:
+        raise ConfigError(
+            f"--gpus {gpus} sizes the FSDP rows of an estimate; --measure runs on this machine's device and would "
+            "ignore it\nhint: drop --gpus; to search on several GPUs, run it under redline launch, where every "
+            "process searches together"
+        )
+    if measure and batch_size is not None:
+        raise ConfigError(
+            f"--batch-size {batch_size} with --measure: the search tries its own sizes and would ignore it\n"
+            "hint: pass --start N to begin the search at N, or drop --measure to estimate that batch"
+        )
+    if not measure and (start is not None or max_batch_size is not None):
+        given = "--start" if start is not None else "--max-batch-size"
+        raise ConfigError(
+            f"{given} bounds the search that --measure runs; without --measure nothing would read it\n"
+            "hint: add --measure to find the largest batch by running it here, or drop it to estimate"
+        )
+    if start is not None and max_batch_size is not None:  # before the task loads and the search says it runs
+        with said_by_flags(start="--start", max_batch_size="--max-batch-size"):
+            check_start(start, max_batch_size, capped=True)
 
 
 def _measure(

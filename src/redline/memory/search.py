@@ -150,6 +150,14 @@ class BatchSearch:
         return data
 
 
+def check_start(start: int, cap: int | None, *, capped: bool) -> None:
+    """Refuse a first size past the search's cap: ``max_batch_size`` where ``capped``, else the dataset's size."""
+    if cap is not None and start > cap:
+        where = f"max_batch_size={cap}" if capped else "the dataset's size, the largest batch a run has"
+        hint = f"pass start={cap} or less, or max_batch_size={start} or more"
+        raise invalid("start", start, f"at most {cap} ({where})", hint)
+
+
 def find_batch_size(
     task: Task,
     *,
@@ -180,12 +188,7 @@ def find_batch_size(
     began = time.perf_counter()
     device = Runtime(options).device  # resolves the device; starts nothing
     cap, notes = _cap(task.train_data, device, max_batch_size)
-    if cap is not None and start > cap:
-        where = (
-            f"max_batch_size={cap}" if max_batch_size is not None else "the dataset's size, the largest batch a run has"
-        )
-        hint = f"pass start={cap} or less, or max_batch_size={start} or more"
-        raise invalid("start", start, f"at most {cap} ({where})", hint)
+    check_start(start, cap, capped=max_batch_size is not None)
     notes.append("compile off: a compiled step needs other memory, and each size would compile again")
     env = read_env()
     tried: list[Tried] = []
