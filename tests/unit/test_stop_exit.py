@@ -3,6 +3,8 @@
 import logging
 import signal
 
+import pytest
+
 from redline.errors import StoppedBySignal
 from redline.launch.torchrun import LaunchStopped, stopped_by
 from redline.parallel.env import FINISHED_ENV, DistEnv, mark_finished
@@ -176,3 +178,12 @@ def test_a_stopped_launch_without_out_says_nothing_was_saved_rather_than_to_resu
             assert launch_stopped(stopped, None, node_rank).exit_code == stopped.exit_code
     with_out = str(launch_stopped(LaunchStopped(signal.SIGINT), tmp_path, 0))  # --out, stopped before its first
     assert "no checkpoint was written under --out" in with_out and "run the same command again" in with_out
+
+
+def test_an_unwritable_finished_mark_warns_and_the_run_ends_as_it_would(tmp_path, monkeypatch):
+    afile = tmp_path / "a-file"
+    afile.write_text("")
+    monkeypatch.setenv(FINISHED_ENV, str(afile / "finished"))  # set by hand into a file: no folder to write in
+    with pytest.warns(UserWarning, match="could not mark the run's end for its launcher") as caught:
+        mark_finished(DistEnv(), signalled=True, received=True)
+    assert "unset it where it was set by hand" in str(caught[0].message)

@@ -7,6 +7,7 @@ import contextlib
 import datetime as dt
 import gc
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -118,10 +119,18 @@ def mark_finished(env: DistEnv, *, signalled: bool = False, received: bool = Fal
     (not only the other ranks' vote to stop) marks it too (``received_mark``).
     """
     path = os.environ.get(FINISHED_ENV)
-    if path and signalled and received:
-        received_mark(Path(path)).touch()
-    if path and env.local_rank == 0:
-        (stopped_mark(Path(path)) if signalled else Path(path)).touch()
+    try:
+        if path and signalled and received:
+            received_mark(Path(path)).touch()
+        if path and env.local_rank == 0:
+            (stopped_mark(Path(path)) if signalled else Path(path)).touch()
+    except OSError as error:  # the run's results are written; only the launcher's later reading of a signal is lost
+        warnings.warn(
+            f"could not mark the run's end for its launcher in {FINISHED_ENV}={path} ({error}); the run's results "
+            f"are saved, but a signal reaching the launcher now may be reported as stopping the run\nhint: "
+            f"{FINISHED_ENV} is redline launch's own variable to its workers: unset it where it was set by hand",
+            stacklevel=2,
+        )
 
 
 def received_mark(finished: Path) -> Path:
