@@ -914,3 +914,14 @@ def test_a_launched_worker_leaves_a_sigterm_in_set_up_to_its_launcher(environ, t
     with setting_up_signals(environ):
         assert (signal.getsignal(signal.SIGTERM) is not before) == taken
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_mistyped_contention_switch_is_refused_before_any_command_runs(monkeypatch):
+    from typer.testing import CliRunner
+
+    # it was refused at the first timing only: an estimate, or a run whose Plan was cached, never said a word
+    monkeypatch.setenv("REDLINE_CONTENTION", "of")
+    result = CliRunner().invoke(app, ["memory", "--task", "example:digits", "--json"])
+    assert isinstance(result.exception, ConfigError)
+    assert "REDLINE_CONTENTION='of' is not allowed; expected off or on" in str(result.exception)
+    assert result.stdout == ""

@@ -33,6 +33,7 @@ from redline.errors import (
     mark_peer_stopped,
     traceback_asked,
 )
+from redline.hardware.contention import contention_off
 from redline.render.console import results_apart
 from redline.render.log import show_logs
 
@@ -340,6 +341,7 @@ def _root(
     ),
 ) -> None:
     """Run plain PyTorch training and inference as fast as the hardware allows, and say why."""
+    contention_off()  # a mistyped REDLINE_CONTENTION is refused at once, not at the first timing, minutes in
 
 
 def main() -> None:
