@@ -320,6 +320,15 @@ def test_a_tune_does_not_offer_micro_batches_the_run_it_prints_would_leave_out(m
     )
     split, _ = tune(untrained_task(32), devices="cpu", budget_s=60)  # 4 micro-batches of 8: 2 whole steps
     assert split.best.grad_accum == 2
+    # --planned-steps 1 prints `train --max-steps 1 --plan tuned`, whose one step is a whole batch: it takes the
+    # split, which was refused for the task's epoch the run never reaches the end of
+    short, _ = tune(untrained_task(24), devices="cpu", budget_s=60, planned_steps=1)
+    assert short.best.grad_accum == 2, short.reasons["grad_accum"]
+    config = TrainerConfig(plan="tuned", max_steps=1, progress=False)
+    taken = use_tuned(untrained_task(24), config.runtime, 16, DistEnv(), config=config)
+    assert taken is not None and (taken.batch_size, taken.options.grad_accum) == (8, 2)  # train's rule agrees
+    longer, _ = tune(untrained_task(24), devices="cpu", budget_s=60, planned_steps=2)  # the step on the 8 left
+    assert longer.best.grad_accum == 1 and "as for --max-steps 2 they would not train" in longer.reasons["grad_accum"]
 
 
 def test_a_flag_given_its_defaults_value_under_auto_says_the_cached_tune_is_not_taken(caplog):

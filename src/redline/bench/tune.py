@@ -121,7 +121,10 @@ def tune(
     check_sizes(task, [task.batch_size])  # before the search: the hint names the largest that fits
     device = _one_device(devices)
     facts = probe_device(torch.device(device))
-    planned = planned_steps or task_steps(task, task.batch_size) or STREAM_STEPS
+    own = task_steps(task, task.batch_size)
+    planned = planned_steps or own or STREAM_STEPS
+    # the run the "use it" line prints: --max-steps where --planned-steps (or a stream) set it, else the task's epochs
+    run_steps = planned if planned_steps is not None or own is None else None
     calls = model_attention(task, device)
     skipped = skipped_axes(task, facts, calls=calls)
     axes = search_space(task, facts, calls=calls, skipped=skipped)
@@ -150,7 +153,7 @@ def tune(
                 unmeasured.append(axis)
                 reasons[axis] = f"not measured: the {budget_s:g} s budget was spent; {LEFT}"
                 continue
-            if refused := _not_tried(task, best, axis, values, trials, planned):  # cannot win, or a run would refuse it
+            if refused := _not_tried(task, best, axis, values, trials, planned, run_steps):  # cannot win or refused
                 reasons[axis] = refused
                 continue
             candidates = _candidates(best, axis, values, calls, device)
@@ -290,12 +293,19 @@ def _candidates(
 
 
 def _not_tried(
-    task: Task, best: Candidate, axis: str, values: Sequence[Any], trials: Sequence[Trial], planned: int
+    task: Task,
+    best: Candidate,
+    axis: str,
+    values: Sequence[Any],
+    trials: Sequence[Trial],
+    planned: int,
+    run_steps: int | None,
 ) -> str:
     """Why ``axis`` is not measured: a compile that cannot win (the planned run takes less eagerly than any compile
-    takes), micro-batches a run would refuse (``refused_split``); "" where it is measured."""
+    takes), micro-batches the run of ``run_steps`` (None: the task's epochs) would refuse (``refused_split``); "" where
+    it is measured."""
     if axis == "grad_accum":
-        return refused_split(task, best, max(values))
+        return refused_split(task, best, max(values), max_steps=run_steps)
     if axis not in ("compile", "compile_mode") or best.compile:
         return ""
     eager = [t.total_s(planned) for t in trials if t.candidate == best]  # the best so far, measured on an earlier axis

@@ -7,6 +7,7 @@ would not take (``refused_split``: micro-batches that would not train as whole b
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -85,14 +86,16 @@ def _worker_counts(task: Task, facts: DeviceFacts) -> list[int]:
     return [count for count in dict.fromkeys((0, most)) if count != rule.num_workers]
 
 
-def refused_split(task: Task, best: Candidate, parts: int) -> str:
+def refused_split(task: Task, best: Candidate, parts: int, *, max_steps: int | None = None) -> str:
     """Why ``best`` with each batch split into ``parts`` micro-batches is not tried: the run the tune's "use it" line
-    prints (`redline train --plan tuned`, the task's epochs) would not take them, as split it would not train as on
-    whole batches (runtime/tuned_run.py, train's rule). "" where it would take them."""
-    why = split_differs(task, task.batch_size, parts, 1, epochs=task.epochs, max_steps=None, drop_last=best.compile)
+    prints (`redline train --plan tuned`: the task's epochs, or ``--max-steps max_steps``) would not take them, as
+    split it would not train as on whole batches (runtime/tuned_run.py, train's rule). "" where it would take them."""
+    epochs = task.epochs if max_steps is None else math.inf  # as `train --max-steps N`: no end of epochs ends it
+    why = split_differs(task, task.batch_size, parts, 1, epochs=epochs, max_steps=max_steps, drop_last=best.compile)
     if not why:
         return ""
+    run = f"the task's {task.epochs:g} epoch(s)" if max_steps is None else f"--max-steps {max_steps}"
     return (
         f"one batch per step kept, {parts} {MICRO_BATCHES} not tried: `redline train --plan tuned` would not take "
-        f"them, as for the task's {task.epochs:g} epoch(s) they would not train as whole batches do ({why})"
+        f"them, as for {run} they would not train as whole batches do ({why})"
     )
