@@ -78,10 +78,19 @@ async def test_a_trailing_slash_is_a_404_naming_the_path_not_a_redirect_a_post_m
     assert error["error"].startswith(f"{method} {path}: no such endpoint; did you mean {method} {meant}")
 
 
-def test_options_left_at_their_default_batch_size_over_the_engines_say_both_fixes():
-    with pytest.raises(ConfigError) as refused:
-        build_app(FakeEngine(max_batch_size=8), ServeOptions(port=0))
+async def test_options_that_leave_the_batch_size_out_take_the_engines():
+    # ServeOptions(port=0) was refused for the 32 the user never set: "max_batch_size=32 is not allowed"
+    app = build_app(FakeEngine(max_batch_size=8), ServeOptions(port=0))
+    assert app.state.serving.options.max_batch_size == 8 and app.state.serving.spec.max_batch_size == 8
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://x") as client:
+        fits = await client.post("/v1/predict", json={"inputs": [[0.0] * 3] * 8})
+        over = await client.post("/v1/predict", json={"inputs": [[0.0] * 3] * 9})
+    assert fits.status_code == 200, fits.text
+    assert over.status_code == 422 and "more than max_batch_size=8 in one request" in over.json()["error"]
+    with pytest.raises(ConfigError) as refused:  # one set above the engine's says both fixes
+        build_app(FakeEngine(max_batch_size=8), ServeOptions(max_batch_size=32))
     assert str(refused.value) == (
         "max_batch_size=32 is not allowed; expected at most the engine's max_batch_size=8\n"
-        "hint: pass ServeOptions(max_batch_size=8), the engine's, or build the InferenceEngine with max_batch_size=32"
+        "hint: pass ServeOptions(max_batch_size=8) or leave it out (the engine's), or build the InferenceEngine "
+        "with max_batch_size=32"
     )

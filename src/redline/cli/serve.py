@@ -71,7 +71,7 @@ def _serve(
         )  # fmt: skip
     with said_by_flags(batch_buckets="--batch-buckets", max_batch_size="--max-batch-size"):
         buckets = _buckets(batch_buckets)  # auto stays "auto": the Plan then says the buckets are the default
-        bucket_sizes(options.max_batch_size, buckets)  # checked before the model loads
+        bucket_sizes(options.batch_limit, buckets)  # checked before the model loads
     options.token()  # an empty --token-env variable is refused before the model loads
     sock = bind(options.host, options.port)  # and so are a busy port and a host not of this machine
     try:
@@ -83,7 +83,7 @@ def _serve(
             with said_by_flags(**ENGINE_FLAGS):
                 engine = InferenceEngine(
                     servable, device=device, precision=precision, compile=compile, cuda_graphs=cuda_graphs,
-                    measure=measure, channels_last=channels_last, max_batch_size=options.max_batch_size,
+                    measure=measure, channels_last=channels_last, max_batch_size=options.batch_limit,
                     batch_buckets=buckets,
                 )  # fmt: skip
         console = output_console()

@@ -1,6 +1,6 @@
 """The HTTP app: a Starlette app around an InferenceEngine, with dynamic batching, probes, metrics and a schema.
 
-    app = build_app(engine, ServeOptions(max_batch_size=32, max_wait_ms=5))
+    app = build_app(engine, ServeOptions(max_wait_ms=5))  # up to the engine's max_batch_size per batch
     # uvicorn.run(app) or redline.serve.server.serve(engine, options)
 
 ``POST /v1/predict`` takes ``{"inputs": [...]}`` (JSON) or a .npy array (application/octet-stream)
@@ -35,7 +35,6 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from redline.errors import invalid
 from redline.serve.dispatch import RETRY_AFTER_S, Dispatcher
 from redline.serve.inputs import NPY_MAGIC, InputSpec, read_json, read_npy
 from redline.serve.metrics import ServeMetrics
@@ -75,21 +74,15 @@ class Serving:
     """What the app's routes share: the engine, the dispatcher, the metrics, and whether it is draining."""
 
     def __init__(self, engine: Any, options: ServeOptions) -> None:
-        if options.max_batch_size > engine.max_batch_size:
-            allowed = f"at most the engine's max_batch_size={engine.max_batch_size}"
-            hint = (
-                f"pass ServeOptions(max_batch_size={engine.max_batch_size}), the engine's, or build the "
-                f"InferenceEngine with max_batch_size={options.max_batch_size}"
-            )
-            raise invalid("max_batch_size", options.max_batch_size, allowed, hint)
+        options = options.for_engine(engine)
         self.engine = engine
         self.options = options
         self.token = options.token()
-        self.spec = InputSpec(tuple(engine.input_shape), engine.servable.input_dtype, options.max_batch_size)
+        self.spec = InputSpec(tuple(engine.input_shape), engine.servable.input_dtype, options.batch_limit)
         self.fits_in_body = samples_in_body(self.spec, options)
         if (note := body_limit_note(self.spec, options)) is not None:
             log.warning("%s", note)
-        self.metrics = ServeMetrics(options.max_batch_size, timeout_s=options.timeout_ms / 1000)
+        self.metrics = ServeMetrics(options.batch_limit, timeout_s=options.timeout_ms / 1000)
         self.dispatcher = Dispatcher(engine, options, self.metrics)
         self.draining = False
         servable = engine.servable
@@ -136,7 +129,7 @@ class Serving:
         fits, dtype = "", npy_dtype(self.spec)
         if self.fits_in_body == 0:
             fits = f" (a {dtype} .npy body of one sample is larger: only JSON whose numbers are written short fits)"
-        elif self.fits_in_body < self.options.max_batch_size:  # a request of max_batch_size samples is refused too
+        elif self.fits_in_body < self.options.batch_limit:  # a request of max_batch_size samples is refused too
             fits = (
                 f" (a {dtype} .npy body of up to {self.fits_in_body} samples fits; as JSON, as its numbers are written)"
             )
@@ -298,10 +291,10 @@ def npy_bytes(samples: int, spec: InputSpec) -> int:
 
 def samples_in_body(spec: InputSpec, options: ServeOptions) -> int:
     """The most samples (up to max_batch_size) a .npy body within max_body_mb holds, in ``spec``'s dtype."""
-    full, sample = npy_bytes(options.max_batch_size, spec), npy_bytes(1, spec) - npy_bytes(0, spec)
+    full, sample = npy_bytes(options.batch_limit, spec), npy_bytes(1, spec) - npy_bytes(0, spec)
     if full <= options.max_body_bytes:
-        return options.max_batch_size
-    header = full - options.max_batch_size * sample  # that of fewer samples is no longer
+        return options.batch_limit
+    header = full - options.batch_limit * sample  # that of fewer samples is no longer
     return max(options.max_body_bytes - header, 0) // sample
 
 
@@ -310,17 +303,17 @@ def body_limit_note(spec: InputSpec, options: ServeOptions) -> str | None:
 
     A smaller request still can, and several of them still make one batch of up to max_batch_size.
     """
-    full, fits = npy_bytes(options.max_batch_size, spec), samples_in_body(spec, options)
-    if fits >= options.max_batch_size:
+    full, fits = npy_bytes(options.batch_limit, spec), samples_in_body(spec, options)
+    if fits >= options.batch_limit:
         return None
     dtype = npy_dtype(spec)
     shape = ", ".join(map(str, spec.shape)) + "," * (len(spec.shape) == 1)
     said = (
-        f"a request of --max-batch-size {options.max_batch_size} samples of shape ({shape}) is {_mib(full)} MiB as a "
+        f"a request of --max-batch-size {options.batch_limit} samples of shape ({shape}) is {_mib(full)} MiB as a "
         f"{dtype} .npy body (as JSON, as its numbers are written), over --max-body-mb {options.max_body_mb:g}: it is "
         "refused with 413"
     )
-    raise_to = f"--max-body-mb {_mib(full, up=True)} lets a request of {options.max_batch_size} samples in"
+    raise_to = f"--max-body-mb {_mib(full, up=True)} lets a request of {options.batch_limit} samples in"
     if fits == 0:
         one = _mib(npy_bytes(1, spec))
         return (
@@ -329,7 +322,7 @@ def body_limit_note(spec: InputSpec, options: ServeOptions) -> str | None:
         )
     return (
         f"{said}; a .npy request holds at most {fits} samples, and batches of up to "
-        f"{options.max_batch_size} form from several requests\nhint: {raise_to}, or --max-batch-size {fits} refuses "
+        f"{options.batch_limit} form from several requests\nhint: {raise_to}, or --max-batch-size {fits} refuses "
         "a larger request with 422, which names the limit"
     )
 
@@ -346,13 +339,13 @@ def _mib(size: int, *, up: bool = False) -> str:
 def build_app(engine: Any, options: ServeOptions | None = None) -> Starlette:
     """Return the Starlette app serving ``engine``; ``app.state.serving`` holds its Serving.
 
-    Without ``options``, the defaults with the engine's own ``max_batch_size``.
+    Without ``options``, the defaults; ``max_batch_size`` left out (None) is the engine's own.
 
     The engine's warm-up (when it is not ready yet) and the batching worker start with the app's
     lifespan; at its end the queue is answered before the worker stops. Without a lifespan (the app
     mounted inside another, whose lifespan does not run this one's) they start at the first request.
     """
-    serving = Serving(engine, options or ServeOptions(max_batch_size=engine.max_batch_size))
+    serving = Serving(engine, options or ServeOptions())
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -343,7 +343,7 @@ class Dispatcher:
             queue = list(self._queue)
             decision = decide(
                 [Pending(q.samples, q.arrived, q.deadline) for q in queue], now,
-                max_batch_size=self.options.max_batch_size, max_wait=max_wait,
+                max_batch_size=self.options.batch_limit, max_wait=max_wait,
             )  # fmt: skip
             for i in decision.expired:
                 _settle(queue[i].future, exception=self._timed_out())

@@ -70,7 +70,7 @@ from redline.serve.measure import (
     time_settings,
     weights_digest,
 )
-from redline.serve.options import engine_device
+from redline.serve.options import DEFAULT_MAX_BATCH, engine_device
 from redline.serve.runners import (
     CaptureFailed,
     EagerRunner,
@@ -108,7 +108,7 @@ class InferenceEngine:
         cuda_graphs: str | bool = "auto",
         measure: str | bool = "auto",
         channels_last: str | bool = "auto",
-        max_batch_size: int = 32,
+        max_batch_size: int = DEFAULT_MAX_BATCH,
         batch_buckets: Sequence[int] | str = "auto",
         planned_batches: int | None = None,
     ) -> None:

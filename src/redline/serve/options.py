@@ -15,6 +15,8 @@ from redline.plan import Choice, parse_switch
 from redline.plan.device import resolve_device
 from redline.plan.inference import check_cuda_graphs, check_inference_precision, read_measure
 
+DEFAULT_MAX_BATCH = 32  # InferenceEngine's max_batch_size, and `redline serve`'s
+
 
 @dataclass(frozen=True, kw_only=True)
 class ServeOptions:
@@ -22,8 +24,11 @@ class ServeOptions:
 
     host: str = option("127.0.0.1", "Address to listen on (0.0.0.0 for every interface).")
     port: int = option(8000, "Port to listen on (0: any free port, printed at start).", min=0)
-    max_batch_size: int = option(
-        32, "Most samples run together in one batch; a larger request is refused (422).", min=1
+    max_batch_size: int | None = option(
+        None,
+        f"Most samples run together in one batch (default: the engine's, {DEFAULT_MAX_BATCH} for `redline serve`); "
+        "a larger request is refused (422).",
+        min=1,
     )
     max_wait_ms: float = option(5.0, "Longest a batch waits for more requests, from its first request's arrival.")
     queue_size: int = option(
@@ -41,7 +46,7 @@ class ServeOptions:
         non_negative_int("port", self.port)
         if self.port > 65535:
             raise invalid("port", self.port, "a port number from 0 to 65535", "port=0 picks any free port")
-        positive_int("max_batch_size", self.max_batch_size)
+        positive_int("max_batch_size", self.max_batch_size, optional=True)
         wait_rule = "finite milliseconds >= 0 (0: never wait for more requests)"
         non_negative_number("max_wait_ms", self.max_wait_ms, wait_rule)  # NaN would wait forever
         positive_int("queue_size", self.queue_size)
@@ -62,6 +67,25 @@ class ServeOptions:
     def build(cls, options: ServeOptions | None = None, **changes: Any) -> ServeOptions:
         """Return ``options`` (or the defaults) with ``changes``; an unknown name is a clear error."""
         return with_changes(cls, options, changes, what="a serve option")
+
+    def for_engine(self, engine: Any) -> ServeOptions:
+        """These options with the engine's ``max_batch_size`` where they leave it out; refused where theirs is
+        larger than the engine's, whose largest bucket is the largest batch it was warmed up for."""
+        if self.max_batch_size is None:
+            return with_changes(ServeOptions, self, {"max_batch_size": engine.max_batch_size}, what="a serve option")
+        if self.max_batch_size > engine.max_batch_size:
+            allowed = f"at most the engine's max_batch_size={engine.max_batch_size}"
+            hint = (
+                f"pass ServeOptions(max_batch_size={engine.max_batch_size}) or leave it out (the engine's), or build "
+                f"the InferenceEngine with max_batch_size={self.max_batch_size}"
+            )
+            raise invalid("max_batch_size", self.max_batch_size, allowed, hint)
+        return self
+
+    @property
+    def batch_limit(self) -> int:
+        """``max_batch_size`` once ``for_engine`` has resolved it (the engine's default where nothing resolved it)."""
+        return DEFAULT_MAX_BATCH if self.max_batch_size is None else self.max_batch_size
 
     @property
     def max_body_bytes(self) -> int:

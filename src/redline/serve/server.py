@@ -146,7 +146,7 @@ def serve(
     (exit code 1) when the model's warm-up failed. A model call whose requests all timed out may still run on
     return: ``dispatch.calls_left_running()`` says so to a process about to exit.
     """
-    options = options or ServeOptions()
+    options = (options or ServeOptions()).for_engine(engine)  # the engine's max_batch_size where left out
     refuse_inside_event_loop(
         "serve() blocks on uvicorn's own event loop",
         "await uvicorn.Server(uvicorn.Config(redline.build_app(engine, options), port=8000)).serve() there, "
@@ -200,13 +200,13 @@ def stopped_by(reason: str, exc: Exception | None, engine: Any, options: ServeOp
     if not blames_user_code(exc):
         hint = "redline's own code failed, not the model: please report it with the traceback"
     elif is_oom(exc):
-        hint = f"lower --max-batch-size: the warm-up runs batches of up to {options.max_batch_size} samples"
+        hint = f"lower --max-batch-size: the warm-up runs batches of up to {options.batch_limit} samples"
     else:
         servable = engine.servable
         hint = (
             f"check that the model takes the Servable's input_shape {servable.input_shape} and input_dtype "
             f"{servable.input_dtype}: the warm-up runs zeros of that shape and dtype, in batches of up to "
-            f"{options.max_batch_size}"
+            f"{options.batch_limit}"
             + ("; if it does, the line above is where your code failed" if user_line(exc) else "")
         )
     return f"{message}{user_line(exc)}\nhint: {hint}; REDLINE_TRACEBACK=1 prints the whole traceback"
