@@ -130,6 +130,40 @@ def test_a_failed_capture_leaves_the_model_on_its_own_forward_and_says_why(caplo
     assert net.forward == record.eager
 
 
+def test_hooks_on_the_models_layers_keep_graphs_off_as_a_replay_would_never_call_them(caplog):
+    # a replay calls none of the model's layers: a feature tap on one ran once, at the capture, and never again
+    capture = Capture()
+    net, record = graphed(capture)
+    seen = []
+    net.layer.register_forward_hook(lambda module, inputs, output: seen.append(output.shape[0]))
+    with caplog.at_level(logging.WARNING, logger="redline"):
+        for batch in (3, 3):
+            net(torch.randn(batch, 4)).sum().backward()
+            record.stepped()
+    assert seen == [3, 3] and not capture.samples and net.forward == record.eager  # the hook saw every step
+    assert (
+        record.failed == "the hooks on its layer(s) layer would run while the graphs are captured and never as they "
+        "replay"
+    )
+    assert "CUDA graphs are not used for Net" in caplog.text
+    assert "the hooks on its layer(s) layer would run" in record.explain(Choice(True, "auto: ...")).reason
+
+
+def test_hooks_on_every_module_keep_graphs_off_too():
+    capture = Capture()
+    net, record = graphed(capture)
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda module, inputs, output: None)
+    try:
+        net(torch.randn(3, 4))
+    finally:
+        handle.remove()
+    assert not capture.samples and "the hooks on every module" in str(record.failed)
+    hooked, plain = graphed(Capture())  # the model's own hooks run around the replay, as around its forward
+    hooked.register_forward_hook(lambda module, inputs, output: None)
+    hooked(torch.randn(3, 4))
+    assert plain.failed is None and plain.replays == 1
+
+
 def test_graphs_that_compute_something_else_than_the_model_are_never_used(caplog):
     capture = Capture(scale=2.0)
     net, record = graphed(capture)

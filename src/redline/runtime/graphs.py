@@ -18,9 +18,10 @@ Inputs that stay other for ``MISFITS`` calls in a row, and a model whose paramet
 
 At each capture the graphs are held against the model's own forward and backward on the captured batch
 (``compare_with_eager``), and graphs that differ are never used. A capture that fails (a forward that
-waits on the host, a hook, memory) is logged, and the model runs its own forward for the rest of the run;
-the Plan says why. The capture's warm-up runs the forward on the batch three times, which would move
-BatchNorm's running statistics: the buffers are put back after it. Graphs let go of give their memory back.
+waits on the host, memory) is logged, and the model runs its own forward for the rest of the run; the
+Plan says why. So is a model with hooks on its layers, which a replay would never call (``hooks_inside``).
+The capture's warm-up runs the forward on the batch three times, which would move BatchNorm's running
+statistics: the buffers are put back after it. Graphs let go of give their memory back.
 
 The graph's backward hands out each gradient in a buffer of its own, which the next replay overwrites: a
 hook gives autograd a copy to keep as ``.grad``, so a second backward through one forward adds up as it
@@ -75,6 +76,23 @@ def capture_graphs(module: nn.Module, sample: tuple[torch.Tensor, ...]) -> Calla
     finally:
         module.forward = own
     return forward
+
+
+_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def hooks_inside(module: nn.Module) -> str:
+    """The hooks a graphed forward would leave behind, in words, or "": a replay runs the module's own hooks around it
+    (``forward_hooks_aside``) but calls none of its layers, so hooks on them (a feature tap, activation statistics)
+    and hooks on every module (``register_module_forward_hook``) would run once, while the graphs are captured."""
+    hooked = [name for name, layer in module.named_modules() if name and any(getattr(layer, h, None) for h in _HOOKS)]
+    if hooked:
+        more = f" and {len(hooked) - 3} more" if len(hooked) > 3 else ""
+        return f"the hooks on its layer(s) {', '.join(hooked[:3])}{more}"
+    everywhere = torch.nn.modules.module
+    if any(getattr(everywhere, "_global" + h, None) for h in _HOOKS):
+        return "the hooks on every module (torch.nn.modules.module.register_module_forward_hook and its kin)"
+    return ""
 
 
 @contextlib.contextmanager
@@ -348,6 +366,10 @@ class GraphRecord:
         return self._misfit[1] >= MISFITS
 
     def _capture(self, args: tuple[torch.Tensor, ...], inputs: tuple[Any, ...], model: tuple[Any, ...]) -> None:
+        if hooked := hooks_inside(self.module):
+            self.stop(f"{hooked} would run while the graphs are captured and never as they replay")
+            log.warning("CUDA graphs are not used for %s: %s", type(self.module).__name__, self.failed)
+            return
         sample = tuple(a.detach().clone() for a in args)
         start = time.perf_counter()
         current, self.module.forward = self.module.forward, self.eager  # the capture runs the module's own forward
