@@ -169,6 +169,12 @@ def profile(
         # each checked there, its error naming it; the device as the user asked for it, as train would be given it
         options = RuntimeOptions(devices=devices if asked else device, **given)
     planned = planned_steps or task_steps(task, size)
+    if torch.device(device).type == "cuda":
+        # The profiler started once, empty, before the warm-up captures CUDA graphs: graphs captured before its first
+        # start replayed under it with their kernels unrecorded, or faulted (pytorch#75504; torch's docs on CUDA
+        # graphs and the profiler, whose workaround this is)
+        with torch.profiler.profile():
+            pass
     with users_failure(f"profiling task {task.name!r}: its model, loss or optimizer", STEP_HINT):
         runner, memory, flops = warm_up(task, setting, warmup, planned, seed, options=options)
     with tempfile.TemporaryDirectory(prefix="redline-profile-") as scratch:
