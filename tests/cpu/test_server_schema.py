@@ -21,3 +21,15 @@ def test_every_answer_matches_the_document_and_none_is_a_server_error(case):
     # Any bytes fit `format: binary`, though few are a .npy array: a 400 is the right answer there.
     binary = case.media_type == "application/octet-stream"
     case.call_and_validate(excluded_checks=[positive_data_acceptance] if binary else [])
+
+
+def test_the_document_is_valid_openapi_with_and_without_a_token(monkeypatch):
+    # a description inside the .npy media type object made the whole requestBody invalid OpenAPI 3.0
+    import orjson
+    from openapi_spec_validator import validate
+
+    monkeypatch.setenv("REDLINE_TEST_TOKEN", "a-token")
+    for options in (ServeOptions(max_wait_ms=1), ServeOptions(max_wait_ms=1, token_env="REDLINE_TEST_TOKEN")):
+        document = orjson.loads(build_app(ENGINE, options).state.serving.openapi)
+        validate(document)  # raises, naming the path, where it is not
+        assert document["paths"]["/readyz"]["get"]["responses"]["503"]["description"].startswith("Not ready: ")

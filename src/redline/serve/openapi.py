@@ -68,12 +68,15 @@ def openapi_document(
                 "application/json": {
                     "schema": {"type": "object", "required": ["inputs"], "properties": {"inputs": inputs}}
                 },
-                "application/octet-stream": {
-                    "schema": {"type": "string", "format": "binary"},
-                    "description": (
-                        f"A .npy array (numpy.save) of shape {_shape(spec)}, or of one sample; read alike as "
-                        "application/x-npy, or without a Content-Type."
-                    ),
+                "application/octet-stream": {  # OpenAPI 3.0's media type holds no description: its schema does
+                    "schema": {
+                        "type": "string",
+                        "format": "binary",
+                        "description": (
+                            f"A .npy array (numpy.save) of shape {_shape(spec)}, or of one sample; read alike as "
+                            "application/x-npy, or without a Content-Type."
+                        ),
+                    },
                 },
             },
             **({"description": f"At most {body_limit}."} if max_body_mb is not None else {}),
@@ -99,8 +102,18 @@ def openapi_document(
         predict["security"] = [{"bearer": []}]
     paths: dict[str, Any] = {
         "/v1/predict": {"post": predict},
-        "/livez": {"get": _probe("Liveness: 200 unless the model's device is unusable or its warm-up failed.")},
-        "/readyz": {"get": _probe("Readiness: 200 once warmed up, 503 before that and while shutting down.")},
+        "/livez": {
+            "get": _probe(
+                "Liveness: 200 unless the model's device is unusable or its warm-up failed.",
+                "Not live: the model's device is unusable or its warm-up failed (restart the server).",
+            )
+        },
+        "/readyz": {
+            "get": _probe(
+                "Readiness: 200 once warmed up, 503 before that and while shutting down.",
+                "Not ready: still warming up, or shutting down.",
+            )
+        },
         "/metrics": {"get": _metrics(secured)},
         "/openapi.json": {
             "get": {
@@ -160,14 +173,14 @@ def _error(description: str, *, retry: bool = False) -> dict[str, Any]:
     return answer
 
 
-def _probe(summary: str) -> dict[str, Any]:
+def _probe(summary: str, refused: str) -> dict[str, Any]:
     status = {"type": "object", "required": ["status"], "properties": {"status": {"type": "string"}}}
     content = {"application/json": {"schema": status}}
     return {
         "summary": summary,
         "responses": {
             "200": {"description": "OK", "content": content},
-            "503": {"description": "Not", "content": content},
+            "503": {"description": refused, "content": content},
         },
     }
 
