@@ -1,6 +1,7 @@
 """The server's answers to what it reads: outputs for JSON and .npy, every input refusal, body limits, the token."""
 
 import gzip
+import logging
 import threading
 
 import numpy as np
@@ -247,12 +248,14 @@ async def test_tensors_a_postprocess_returns_are_answered_as_their_values_as_num
     torch.testing.assert_close(halves, expected, atol=1e-2, rtol=1e-3)
 
 
-async def test_outputs_a_postprocess_made_unserialisable_fail_with_a_json_500_counted_as_such():
+async def test_outputs_a_postprocess_made_unserialisable_fail_with_a_json_500_counted_as_such(caplog):
     engine = FakeEngine()
     engine.servable = Servable(model=torch.nn.Identity(), input_shape=(3,), postprocess=lambda out: [{1}] * len(out))
     async with running(engine) as (client, _):
-        answer = await client.post("/v1/predict", json={"inputs": [1, 2, 3]})
+        with caplog.at_level(logging.WARNING, logger="redline"):
+            answer = await client.post("/v1/predict", json={"inputs": [1, 2, 3]})
         page = metrics((await client.get("/metrics")).text)
+    assert "a request's outputs are not JSON" in caplog.text  # the server's log said nothing, as no other 500 does
     assert answer.status_code == 500 and answer.json()["reason"] == "model_error"
     assert "not JSON" in answer.json()["error"] and "set" in answer.json()["error"]
     assert page['redline_serve_requests_total{"status": "500"}'] == 1

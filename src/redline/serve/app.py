@@ -423,6 +423,8 @@ def _outputs_json(outputs: list[Any]) -> Response:
     try:
         body = orjson.dumps({"outputs": outputs}, default=_tensor_as_list, option=orjson.OPT_SERIALIZE_NUMPY)
     except TypeError as exc:  # orjson.JSONEncodeError is a TypeError
+        log.warning("a request's outputs are not JSON (%s): postprocess must return numbers, lists, dicts, arrays or "
+                    "tensors; it was answered 500", exc)  # fmt: skip
         raise Refused(
             500, "model_error",
             f"the outputs are not JSON ({exc}); postprocess must return numbers, lists, dicts, arrays or tensors",
