@@ -105,14 +105,16 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> object:
-    module_name = _LAZY.get(name)
-    if module_name is None:
-        raise AttributeError(f"module 'redline' has no attribute {name!r}")
-    module = importlib.import_module(module_name)
-    value = module if module_name == f"redline.{name}" else getattr(module, name)
-    globals()[name] = value  # later lookups skip this function
-    return value
+if not TYPE_CHECKING:  # a type checker reads the names imported above: `redline.Trainr` is its error, not `object`
+
+    def __getattr__(name: str) -> object:
+        module_name = _LAZY.get(name)
+        if module_name is None:
+            raise AttributeError(f"module 'redline' has no attribute {name!r}")
+        module = importlib.import_module(module_name)
+        value = module if module_name == f"redline.{name}" else getattr(module, name)
+        globals()[name] = value  # later lookups skip this function
+        return value
 
 
 def __dir__() -> list[str]:

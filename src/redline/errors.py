@@ -38,8 +38,8 @@ class RedlineError(Exception):
 class ConfigError(RedlineError, ValueError):
     """An argument or option has a value redline cannot use.
 
-    One built by ``invalid`` keeps its parts (``name``, ``value``, ``allowed``, ``hint``), so that the
-    command line can say it again by the flag's name instead of the field's.
+    One built by ``invalid`` keeps its parts in ``parts``, the tuple ``(name, value, allowed, hint)`` (None for
+    one built otherwise), so that the command line can say it again by the flag's name instead of the field's.
     """
 
     parts: tuple[str, object, str, str] | None = None

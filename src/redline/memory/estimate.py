@@ -163,7 +163,8 @@ def estimate_memory(
         raise invalid(
             "precision", precision, f"one of {', '.join(map(repr, PRECISIONS))}",
             "auto is resolved on the device: pass what it picks there ('bf16-mixed' on an Ampere or newer GPU, "
-            "'fp16-mixed' on an older one, 'fp32' on a CPU), or let redline memory --gpu NAME resolve it",
+            "'fp16-mixed' on an older one; on a CPU what its trial measured, fp32 or 'bf16-mixed'), or let "
+            "redline memory (--gpu NAME for another GPU) resolve it",
         )  # fmt: skip
     one_of("precision", precision, PRECISIONS)
     one_of("strategy", strategy, get_args(Strategy))

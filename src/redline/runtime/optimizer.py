@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -13,7 +13,8 @@ from redline.config import call_refused
 from redline.errors import ConfigError, few, invalid
 from redline.plan.optimizer import scheduled
 
-OptimizerLike = torch.optim.Optimizer | Callable[[Iterable[Any]], torch.optim.Optimizer]
+# The factory gets ``model.parameters()``: one typed ``(params: Iterator[nn.Parameter])`` or ``Iterable[...]`` fits
+OptimizerLike = torch.optim.Optimizer | Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
 _FACTORY = "`lambda params: torch.optim.AdamW(params, lr=1e-3)`"
 
 
