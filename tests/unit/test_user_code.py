@@ -135,3 +135,30 @@ def test_a_dict_of_inputs_given_to_a_forward_of_tensors_is_told_to_wrap_the_mode
     assert "model(inputs), here the whole dict" in message
     assert "def forward(self, batch): return self.model(**batch)" in message
     assert "check that the dataset's items" not in message
+
+
+def test_an_evaluation_reads_its_summed_loss_once_not_once_a_batch(monkeypatch):
+    # loss.item() on each validation batch synchronised a GPU once a batch; the sum is read once, and is what the
+    # batches' losses add up to, weighted by their sizes
+    from torch.utils.data import TensorDataset
+
+    from redline.runtime.runtime import Runtime
+    from redline.task import Task
+    from redline.train.evaluation import evaluate_model
+
+    reads = []
+    item = torch.Tensor.item
+    monkeypatch.setattr(torch.Tensor, "item", lambda self: reads.append(self.dtype) or item(self))
+    torch.manual_seed(0)
+    x, y = torch.randn(10, 2), torch.randint(0, 3, (10,))
+    task = Task(model=nn.Linear(2, 3), loss_fn=nn.functional.cross_entropy, train_data=TensorDataset(x, y),
+                val_data=TensorDataset(x, y))  # fmt: skip
+    rt = Runtime(devices="cpu", precision="fp32")
+    model, _ = rt.setup(task.build_model(), task.optimizer)
+    reads.clear()  # the set-up's own
+    got = evaluate_model(task, model, rt, batch_size=3)  # batches of 3, 3, 3 and 1
+    assert not [dtype for dtype in reads if dtype.is_floating_point]  # the DataLoader draws its seed with one
+    with torch.no_grad():
+        expected = sum(nn.functional.cross_entropy(model(x[i : i + 3]), y[i : i + 3]).double() * len(y[i : i + 3])
+                       for i in range(0, 10, 3)) / 10  # fmt: skip
+    assert got["val_loss"] == pytest.approx(float(expected), rel=1e-12)

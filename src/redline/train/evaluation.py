@@ -61,6 +61,7 @@ def evaluate_model(
     env = env or DistEnv()
     assert task.val_data is not None
     total_loss, total_metric, count = 0.0, 0.0, 0
+    loss_sum: torch.Tensor | float = 0.0  # summed where the losses are: one sync at the end, not one a batch
     # a rank that stopped first breaks the sums' all-reduce (or FSDP's gathers in the forward): said as a step says it
     with peers_said(where, PEER_STOPPED), _eval_mode(model), _out_of_memory(where, batch_size):
         share_buffers(model)  # FSDP keeps each rank's own; the model evaluated is rank 0's, as a checkpoint holds it
@@ -78,9 +79,10 @@ def evaluate_model(
             with user_code(where, outputs, targets, metric=True):
                 metric = metric_value(_numpy_read(task.metric(outputs, targets))) if task.metric is not None else 0.0
             n = count_batch(inputs, targets)
-            total_loss += loss.item() * n
+            loss_sum = loss_sum + loss.detach().to(_summed_dtype(loss.device)) * n
             total_metric += metric * n
             count += n
+    total_loss = float(loss_sum)
     # In float64: a metric of 0.6 on every batch reads 0.6, and a count past 2**24 samples stays exact.
     sums = torch.tensor([total_loss, total_metric, float(count)], dtype=torch.float64, device=summed_on(rt.device))
     with peers_said(where, PEER_STOPPED):
@@ -92,6 +94,11 @@ def evaluate_model(
             "__iter__ start a fresh pass each time it is called (write it as a generator, with yield)"
         )
     return {"val_loss": total_loss / count, "val_metric": total_metric / count if task.metric else None}
+
+
+def _summed_dtype(device: torch.device) -> torch.dtype:
+    """The dtype the batches' losses are summed in: float64, as a Python float adds them, where the device has it."""
+    return torch.float32 if device.type == "mps" else torch.float64
 
 
 def check_val_data(task: Task, run: Run, batch_size: int, env: DistEnv) -> None:
