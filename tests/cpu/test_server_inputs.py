@@ -431,7 +431,7 @@ async def test_the_document_states_the_servers_limits_and_every_content_type_it_
     async with running(FakeEngine(), max_body_mb=2, timeout_ms=1500) as (client, _):
         document = (await client.get("/openapi.json")).json()
         predict = document["paths"]["/v1/predict"]["post"]
-        octet = predict["requestBody"]["content"]["application/octet-stream"]["description"]
+        octet = predict["requestBody"]["content"]["application/octet-stream"]["schema"]["description"]
         x_npy = await client.post(
             "/v1/predict", content=npy(np.ones((2, 3), np.float32)), headers={"content-type": "application/x-npy"}
         )

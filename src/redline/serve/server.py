@@ -86,6 +86,16 @@ FORCED_ANSWERS_S = 1.0  # after a second Ctrl-C, the longest the 503 answers are
 BACKLOG = 2048  # connections the kernel holds for uvicorn to accept
 
 
+def _http(timeout_s: float) -> type[asyncio.Protocol] | str:
+    """uvicorn's httptools protocol with each request's head bounded (serve/guard.py), or "auto" where httptools is
+    not installed: uvicorn then runs h11, which bounds a head's size itself (16 KiB), though not its time."""
+    try:
+        from redline.serve.guard import guarded_http
+    except ImportError:
+        return "auto"
+    return guarded_http(timeout_s)
+
+
 def bind(host: str, port: int) -> socket.socket:
     """Return a TCP socket bound to ``host:port`` (port 0: a free one), not listening yet.
 
@@ -157,7 +167,8 @@ def serve(
     sock = sock if sock is not None else bind(options.host, options.port)
     listen(sock)
     config = uvicorn.Config(
-        app, loop="auto", http="auto", lifespan="on", access_log=False, log_level="warning",
+        app, loop="auto", http=_http(options.timeout_ms / 1000), lifespan="on", access_log=False,
+        log_level="warning",
         timeout_graceful_shutdown=math.ceil(options.timeout_ms / 1000 + GRACE_MARGIN_S),
     )  # fmt: skip
     server = _Server(config, serving.begin_drain, serving.abandon)
