@@ -925,3 +925,12 @@ def test_a_mistyped_contention_switch_is_refused_before_any_command_runs(monkeyp
     assert isinstance(result.exception, ConfigError)
     assert "REDLINE_CONTENTION='of' is not allowed; expected off or on" in str(result.exception)
     assert result.stdout == ""
+
+
+def test_train_help_says_early_stoppings_defaults_which_the_flags_left_out_do_not_show():
+    from typer.testing import CliRunner
+
+    shown = " ".join(CliRunner().invoke(app, ["train", "--help"], env={"COLUMNS": "400"}).output.split())
+    assert "Stop after N evaluations without improvement (at least 1) (default: 3)." in shown
+    assert "(any --early-stopping-* flag turns early stopping on) (default: val_loss)." in shown
+    assert "(every visible GPU, else 1)." in shown  # --nproc left out runs in this process, not "auto"

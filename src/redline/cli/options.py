@@ -38,11 +38,19 @@ class Flag:
     parameter: inspect.Parameter
 
 
-def flags(owner: type, *, prefix: str = "", only: Collection[str] | None = None, optional: bool = False) -> list[Flag]:
+def flags(
+    owner: type,
+    *,
+    prefix: str = "",
+    only: Collection[str] | None = None,
+    optional: bool = False,
+    said_defaults: bool = False,
+) -> list[Flag]:
     """Return the flags of ``owner``'s command-line fields (those ``option(..., cli=True)`` declared).
 
     ``prefix`` goes before each parameter and flag name (``early_stopping_patience``); ``optional``
-    makes every flag default to None, meaning "not given" (the dataclass's own default then applies).
+    makes every flag default to None, meaning "not given" (the dataclass's own default then applies), and
+    ``said_defaults`` has each flag's help say that default, where not giving the flag leaves it to the dataclass.
     """
     hints = typing.get_type_hints(owner)
     out = []
@@ -61,6 +69,8 @@ def flags(owner: type, *, prefix: str = "", only: Collection[str] | None = None,
             # not allowed; expected a positive integer), not in the parser's words; the help still shows it.
             least = meta.get("min")
             shown = meta["help"] if least is None else f"{meta['help'].rstrip('.')} (at least {least})."
+            if said_defaults and field.default is not None and "default" not in shown:  # typer shows None: nothing
+                shown = f"{shown.rstrip('.')} (default: {field.default})."
             # A path is read by given_path (an empty one refused), shown as the parser would show it.
             parser, metavar = (given_path, "<path>") if kind is Path else (None, _choices(hints[field.name]))
             info = typer.Option(flag, help=shown, metavar=metavar, parser=parser)

@@ -119,7 +119,7 @@ train = command(
     _train,
     flags(TrainerConfig),
     flags(RuntimeOptions),
-    flags(EarlyStopping, prefix=EARLY_STOPPING, optional=True),
+    flags(EarlyStopping, prefix=EARLY_STOPPING, optional=True, said_defaults=True),
     _LAUNCH,
 )
 

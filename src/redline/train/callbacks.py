@@ -42,7 +42,9 @@ class EarlyStopping(Callback):
     ``mode`` "auto" minimises losses and maximises anything else (val_metric is accuracy-like).
     """
 
-    monitor: Literal["val_loss", "val_metric"] = option("val_loss", "The metric early stopping watches.")
+    monitor: Literal["val_loss", "val_metric"] = option(
+        "val_loss", "The metric early stopping watches (any --early-stopping-* flag turns early stopping on)."
+    )
     patience: int = option(3, "Stop after N evaluations without improvement.", min=1)
     min_delta: float = option(0.0, "The least change that counts as an improvement.")
     mode: Literal["auto", "min", "max"] = option("auto", "min, max, or auto (min for losses, max otherwise).")
