@@ -114,8 +114,26 @@ def _check_fits(model: nn.Module, path: Path, saved: Shapes, expected: Shapes) -
     if found:  # named here: torch's own error lists every key of both models
         raise ConfigError(
             f"--weights {str(path)!r} does not fit the model {type(model).__name__}: {'; '.join(found)}\n"
-            + (_renamed_hint(path, saved, expected) or FIT_HINT)
+            + (_renamed_hint(path, saved, expected) or _trained_with(path) or FIT_HINT)
         )
+
+
+def _trained_with(path: Path) -> str:
+    """The hint naming the task options of the run that wrote ``path`` (its summary.json's, where the weights are a
+    run's final ones or one of its checkpoints), or ""."""
+    for run in (path, path.parent, path.parent.parent, path.parent.parent.parent):  # a file, --out, a checkpoint's
+        try:
+            summary = json.loads((run / SUMMARY).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        options = summary.get("task_options") if isinstance(summary, dict) else None
+        if not isinstance(options, dict):
+            return ""  # a run's summary from before they were kept, or of a Task built in Python
+        given = " ".join(f"--task-arg {key}={value}" for key, value in sorted(options.items()))
+        said = f"with {given}" if given else "with no --task-arg (each option the factory's default)"
+        task = summary.get("task")
+        return f"hint: the run that wrote them ({run / SUMMARY}) loaded its task {task!r} {said}: pass the same"
+    return ""
 
 
 def _holding(model: nn.Module, path: Path, saved: Shapes) -> nn.Module:

@@ -23,6 +23,7 @@ class TrainSummary:
     """What a training run produced: the Plan it ran with and the numbers that describe it."""
 
     task: str
+    task_options: dict[str, str] | None  # the --task-arg values the run's Task was loaded with (None: built in Python)
     device: str
     plan: Plan
     steps: int
@@ -113,6 +114,7 @@ def summarize(
     tail = run.losses[-LOSS_WINDOW:]
     return TrainSummary(
         task=task,
+        task_options=pos.task_options,
         device=str(rt.device),
         plan=rt.explain(),
         steps=pos.step,
