@@ -333,7 +333,11 @@ class Runtime(FormsReport, RunState):
         return self._layout.loader(loader, self.device)
 
     def to_device(self, batch: Any) -> Any:
-        """Move a nested batch (tensors in tuples, lists, dicts, dataclasses) to the device."""
+        """Move a nested batch (tensors in tuples, lists, dicts, dataclasses) to the device.
+
+        On CUDA the copies are non-blocking: from pinned memory one may still be reading its source when this returns,
+        so a pinned buffer of your own that you refill must wait for it first (``torch.cuda.current_stream()
+        .synchronize()``); ordinary (pageable) memory is read before the call returns."""
         return self._layout.move(batch, self.device)
 
     # -- the loop ------------------------------------------------------------------------------
