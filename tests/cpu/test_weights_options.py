@@ -20,6 +20,9 @@ def test_a_runs_summary_holds_the_options_its_task_was_loaded_with(tmp_path):
         summary = trainer.fit()
     options = {"n_layer": "1", "n_embd": "16", "block_size": "8", "max_chars": "2000"}
     assert summary.task_options == options
+    shown = repr(summary)  # a notebook's cell: one short line, not the whole Plan's reasons
+    assert shown.startswith("TrainSummary(task='chargpt', device='cpu', steps=1, ") and len(shown) < 400, shown
+    assert f"final_loss={summary.final_loss:.4g}" in shown and "axes: print(summary.plan)>)" in shown
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["task_options"] == options
 
 

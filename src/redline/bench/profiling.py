@@ -33,6 +33,7 @@ from redline.bench.loops import Runner, phase
 from redline.bench.matrix import Setting
 from redline.bench.run import check_sizes, task_steps, warm_up
 from redline.bench.trace import Breakdown, read_breakdown
+from redline.brief import brief
 from redline.config import one_of, positive_int, seed_number
 from redline.errors import ONE_STEP, TrainingError, invalid
 from redline.hardware.device import probe_accelerators, probe_device
@@ -85,6 +86,12 @@ class Profile:
     peak_memory_kind: str  # "allocated" (a GPU's allocator) or "resident" (the process's resident set)
     ops_on: str  # "gpu" or "host": whose clock the operators' self time was read on
     warmup: int  # the unrecorded steps run first
+
+    def __repr__(self) -> str:
+        step = f"{self.breakdown.step_ms:.4g}"
+        return brief(
+            self, ("task", "device", "setting", "batch_size"), step_ms=step, advice=f"<{len(self.advice)} lines>"
+        )
 
     @property
     def tflops(self) -> float | None:

@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from redline.brief import brief
+
 if TYPE_CHECKING:
     from redline.plan import Plan
 
@@ -67,6 +69,10 @@ class BenchResult:
     interrupted: str = ""  # where a Ctrl-C stopped the bench; its rows are the batch sizes finished before
     isolated: bool = False  # each row ran in a process of its own
 
+    def __repr__(self) -> str:
+        rows = ", ".join(f"{row.name!r}: {_row_said(row)}" for row in self.rows)
+        return brief(self, ("task", "steps", "interrupted")[: 3 if self.interrupted else 2], rows=f"{{{rows}}}")
+
     def to_dict(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data["rows"] = [row.to_dict() for row in self.rows]
@@ -78,6 +84,13 @@ class BenchResult:
             if row.name == name:
                 return row
         raise KeyError(name)
+
+
+def _row_said(row: BenchRow) -> str:
+    """A row's figure in a BenchResult's repr: samples/s and its speed-up over the naive loop, or that it failed."""
+    if row.samples_per_s is None:
+        return "failed"
+    return f"{row.samples_per_s:.4g}/s" + (f" ({row.speedup_naive:.2f}x naive)" if row.speedup_naive else "")
 
 
 Peaks = dict[tuple[str, str | None, bool], float | None]  # measured matmul TFLOP/s by (device, precision, TF32)

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
+from redline.brief import brief
 from redline.errors import first_line, user_line
 from redline.plan import Plan
 from redline.runtime.micro import OomEvent
@@ -64,11 +65,19 @@ class TrainSummary:
         known["oom_recoveries"] = list(data.get("oom_recoveries") or [])  # absent from older summaries
         return cls(**known)
 
+    def __repr__(self) -> str:
+        plan = f"<{len(self.plan.rows())} axes: print(summary.plan)>"
+        return brief(self, _BRIEF, plan=plan)
+
     def to_dict(self) -> dict[str, Any]:
         """Return the summary as JSON-ready data."""
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         data["plan"] = self.plan.to_dict()
         return data
+
+
+_BRIEF = ("task", "device", "steps", "epochs", "final_loss", "val_loss", "val_metric", "samples_per_s", "tokens_per_s",
+          "mfu", "train_seconds", "stopped")  # fmt: skip
 
 
 def recovery(event: OomEvent) -> dict[str, Any]:
