@@ -84,9 +84,11 @@ def child_env(cache: str) -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": path, "REDLINE_CACHE_DIR": cache, "TORCHINDUCTOR_CACHE_DIR": inductor}
 
 
-def tune_once(python: str, task: str, steps: int, device: str, into: Path) -> str:
-    """Run `redline tune` for ``task`` into the cache folder ``into``; return what it chose and how long it took."""
-    command = [python, "-m", "redline", "tune", "--task", task, "--devices", device, "--planned-steps", str(steps)]
+def tune_once(python: str, task: str, steps: int, device: str, into: Path, budget: float) -> str:
+    """Run `redline tune` for ``task`` into the cache folder ``into`` within ``budget`` seconds; return what it chose
+    and how long it took."""
+    command = [python, "-m", "redline", "tune", "--task", task, "--devices", device, "--planned-steps", str(steps),
+               "--budget", f"{budget:g}"]  # fmt: skip
     start = time.perf_counter()
     done = subprocess.run([*command, "--json"], capture_output=True, text=True, env=child_env(str(into)), check=False)
     if done.returncode != 0:  # its error line, not the hint under it (a spent budget names the axes left)
@@ -159,7 +161,7 @@ def measure(args: argparse.Namespace, task: str, steps: int, names: list[str]) -
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     tuned = Path(tempfile.mkdtemp(prefix="redline-tune-")) if "redline-tuned" in names else None
     if tuned is not None:
-        TUNES[task] = tune_once(args.python, task, steps, args.device, tuned)
+        TUNES[task] = tune_once(args.python, task, steps, args.device, tuned, args.tune_budget)
         print(f"  {task}: {TUNES[task]}", flush=True)
     stride = max(1, len(names) // args.rounds)  # spread each entry over the round's positions
     for r in range(args.rounds):
@@ -317,6 +319,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--python", default=default_python(), help="the children's Python (the peers' venv)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds one entry may take")
+    parser.add_argument("--tune-budget", type=float, default=120, help="redline tune's --budget for the tuned entry")
     parser.add_argument("--write", default=None, help="write benchmarks/results/NAME.md")
     args = parser.parse_args()
     names = args.frameworks.split(",")

@@ -127,7 +127,7 @@ if [ "$PART" = 3 ]; then  # the issue's goals first (digits vs naive, GPT-2's MF
   FW_STEPS=600
   [ -n "${QUICK:-}" ] && FW_STEPS=20
   step 200 frameworks "$PY" benchmarks/frameworks.py --device "$DEVICE" --rounds 1 --tasks example:digits \
-    --steps "$FW_STEPS" --python "$PY" --timeout 60 --write "frameworks-$DEVICE"
+    --steps "$FW_STEPS" --python "$PY" --timeout 60 --tune-budget 30 --write "frameworks-$DEVICE"
   cp benchmarks/results/frameworks-$DEVICE.md "$WORK/" 2>/dev/null
   pack
   "$PY" benchmarks/gpu/bench_summary.py "$WORK" > "$WORK/summary.md" 2>&1

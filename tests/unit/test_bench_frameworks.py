@@ -17,6 +17,6 @@ def test_a_tune_that_fails_is_noted_by_its_error_line_not_the_hint_under_it(tmp_
         "exit 2\n"
     )
     failing.chmod(0o755)
-    told = tune_once(str(failing), "example:digits", 100, "cpu", tmp_path / "cache")
+    told = tune_once(str(failing), "example:digits", 100, "cpu", tmp_path / "cache", 30)
     error = "error: --budget=120.0 is not allowed; expected enough seconds to measure every axis"
     assert told == f"redline tune failed: {error}"
