@@ -62,7 +62,7 @@ def test_import_touches_no_cuda_and_no_optional_extra():
 FACE = {"cli", "render", "__init__", "__main__"}
 APPS = {"train", "launch", "doctor", "memory", "bench", "serve", "advise", "profile"}
 CORE = {
-    "plan", "runtime", "parallel", "checkpoint", "hardware", "task", "examples", "errors", "atomic", "config",
+    "plan", "runtime", "parallel", "checkpoint", "hardware", "task", "examples", "errors", "atomic", "config", "brief",
     "version",
 }  # fmt: skip
 FORBIDDEN_FOLDERS = {"dist", "build"}  # packaging tools own these names
