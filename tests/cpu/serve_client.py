@@ -4,15 +4,18 @@ import asyncio
 import contextlib
 import io
 import json
+import threading
 import time
 
 import httpx
 import numpy as np
 import torch
+import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from redline.serve.app import build_app
 from redline.serve.options import ServeOptions
+from redline.serve.server import bind, listen
 
 
 @contextlib.asynccontextmanager
@@ -62,3 +65,22 @@ def metrics(text):
 def reference(engine, inputs):
     with torch.no_grad():
         return engine.servable.model(torch.as_tensor(inputs, dtype=torch.float32))
+
+
+@contextlib.contextmanager
+def uvicorn_serving(app, http):
+    """``app`` under a real uvicorn server in a thread; yields its port."""
+    sock = bind("127.0.0.1", 0)
+    listen(sock)
+    server = uvicorn.Server(uvicorn.Config(app, http=http, lifespan="on", log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the server never started"
+            time.sleep(0.01)
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        thread.join(10)

@@ -5,17 +5,14 @@ or is too large (413): either connection is closed after its answer, not held fo
 import asyncio
 import contextlib
 import socket
-import threading
 import time
 
 import pytest
-import uvicorn
-from serve_client import eventually, metrics
+from serve_client import eventually, metrics, uvicorn_serving
 from serve_engines import FakeEngine
 
 from redline.serve.app import build_app
 from redline.serve.options import ServeOptions
-from redline.serve.server import bind, listen
 
 pytestmark = pytest.mark.anyio
 
@@ -95,25 +92,6 @@ async def test_a_body_that_stops_arriving_gets_408_at_the_deadline_not_a_handler
         page = metrics(app.state.serving.metrics.render().decode())
     assert engine.batches == []
     assert page['redline_serve_rejections_total{"reason": "body_timeout"}'] == 1
-
-
-@contextlib.contextmanager
-def uvicorn_serving(app, http):
-    """``app`` under a real uvicorn server in a thread; yields its port."""
-    sock = bind("127.0.0.1", 0)
-    listen(sock)
-    server = uvicorn.Server(uvicorn.Config(app, http=http, lifespan="on", log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "the server never started"
-            time.sleep(0.01)
-        yield sock.getsockname()[1]
-    finally:
-        server.should_exit = True
-        thread.join(10)
 
 
 def trickled(port, declared_bytes, within_s=3.0):

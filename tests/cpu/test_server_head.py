@@ -2,39 +2,23 @@
 that stops arriving (or never starts) 408 at the deadline, and either connection is closed; a kept-alive connection
 idle between requests is left to uvicorn's own keep-alive timeout."""
 
-import contextlib
 import json
 import socket
-import threading
 import time
 
-import uvicorn
+from serve_client import uvicorn_serving
 from serve_engines import FakeEngine
 
 from redline.serve.app import build_app
 from redline.serve.guard import HEAD_LIMIT, GuardedHead, guarded_http
 from redline.serve.options import ServeOptions
-from redline.serve.server import _http, bind, listen
+from redline.serve.server import _http
 
 
-@contextlib.contextmanager
 def guarded_serving(timeout_s):
     """A FakeEngine's app under uvicorn with the guarded protocol, in a thread; yields its port."""
     app = build_app(FakeEngine(), ServeOptions(timeout_ms=timeout_s * 1000))
-    sock = bind("127.0.0.1", 0)
-    listen(sock)
-    server = uvicorn.Server(uvicorn.Config(app, http=guarded_http(timeout_s), lifespan="on", log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "the server never started"
-            time.sleep(0.01)
-        yield sock.getsockname()[1]
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    return uvicorn_serving(app, guarded_http(timeout_s))
 
 
 def answer(client, within_s=5.0):
